@@ -1,0 +1,27 @@
+"""Attention implementations, looked up by name.
+
+Every implementation is a function ``attn(q, k, v, is_causal) -> o`` over tensors shaped
+``(..., N, d)`` (the model passes ``(B, H, N, d_head)``), scaled by ``1/sqrt(d)``. With
+``is_causal`` and ``N_q != N_k`` the query block is aligned to the *end* of the keys
+(query ``i`` sees keys ``j <= i + N_k - N_q``), as in decoding with a KV cache.
+"""
+
+from lm_systems.attention.registry import (
+    AttentionFn,
+    attention_names,
+    get_attention,
+    register_attention,
+    resolve_attention_name,
+)
+
+# Importing the implementations registers them.
+from lm_systems.attention import naive as _naive  # noqa: F401
+from lm_systems.attention import sdpa as _sdpa  # noqa: F401
+
+__all__ = [
+    "AttentionFn",
+    "attention_names",
+    "get_attention",
+    "register_attention",
+    "resolve_attention_name",
+]

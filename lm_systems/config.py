@@ -1,0 +1,64 @@
+"""Model configuration and the named model sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a TransformerLM; ``ModelConfig.from_name("small")`` gives a named size."""
+
+    vocab_size: int = 10_000
+    """Rows of the embedding and LM head; at least the tokenizer's vocabulary."""
+    context_length: int = 256
+    """Longest sequence the model accepts (RoPE tables are built this long)."""
+    d_model: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    d_ff: int = 3072
+    """Hidden width of the SwiGLU feed-forward."""
+    rope_theta: float = 10_000.0
+    attention: str = "auto"
+    """Attention implementation by name (``lm_systems.attention.attention_names()``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
+            )
+        if self.d_head % 2:
+            raise ValueError(
+                f"RoPE needs an even head dimension, got d_model/num_heads = {self.d_head}: "
+                "change model.d_model or model.num_heads"
+            )
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.num_heads
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "ModelConfig":
+        """The named size ``name`` with any field overridden (``None`` overrides are ignored)."""
+        if name not in MODEL_SIZES:
+            raise ValueError(f"unknown model size {name!r} (set --model.size to one of: {', '.join(MODEL_SIZES)})")
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        return replace(MODEL_SIZES[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+MODEL_SIZES: dict[str, ModelConfig] = {
+    # Trains in about a minute on two CPU cores.
+    "tiny": ModelConfig(context_length=128, d_model=128, num_layers=4, num_heads=4, d_ff=512),
+    # The CS336 sizes (GPT-2 small … 2.7B shapes, vocab 10,000).
+    "small": ModelConfig(d_model=768, num_layers=12, num_heads=12, d_ff=3072),
+    "medium": ModelConfig(d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
+    "large": ModelConfig(d_model=1280, num_layers=36, num_heads=20, d_ff=5120),
+    "xl": ModelConfig(d_model=1600, num_layers=48, num_heads=25, d_ff=6400),
+    "2.7b": ModelConfig(d_model=2560, num_layers=32, num_heads=32, d_ff=10240),
+}

@@ -1,0 +1,158 @@
+"""TransformerLM: pre-norm decoder with RMSNorm, RoPE and SwiGLU. Plain PyTorch: no Lightning, no distributed.
+
+Classes bottom-up: RMSNorm → RotaryEmbedding → CausalSelfAttention → SwiGLU → TransformerBlock → TransformerLM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lm_systems.attention import get_attention, resolve_attention_name
+from lm_systems.config import ModelConfig
+from lm_systems.nvtx import nvtx_range
+
+
+def _init_linear(layer: nn.Linear) -> None:
+    """Truncated normal with variance 2 / (fan_in + fan_out), cut at ±3σ."""
+    std = math.sqrt(2.0 / (layer.in_features + layer.out_features))
+    nn.init.trunc_normal_(layer.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · g, computed in float32 whatever the input dtype."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x32 * rms).to(x.dtype) * self.weight.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding: rotates each (x_i, x_{i + d/2}) pair by angle pos · θ^(-2i/d)."""
+
+    def __init__(self, d_head: int, max_len: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)  # (d/2,)
+        angles = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (max_len, d/2)
+        # Not persistent: derived from the config, so checkpoints stay small and dtype casts leave them alone.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (..., T, d_head) at integer ``positions`` (T,)."""
+        cos = self.cos[positions].to(x.dtype)  # (T, d/2)
+        sin = self.sin[positions].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention; the attention kernel itself is looked up by name."""
+
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.attention_name = config.attention
+        resolve_attention_name(config.attention)  # fail at construction on an unknown name
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, dh)
+        positions = torch.arange(T, device=x.device)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        attend = get_attention(self.attention_name, x.device)
+        y = attend(q, k, v, True)  # (B, H, T, dh)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) ⊙ w3 x)."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(·))."""
+
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model)
+        self.attn = CausalSelfAttention(config, rope)
+        self.ffn_norm = RMSNorm(config.d_model)
+        self.ffn = SwiGLU(config.d_model, config.d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TransformerLM(nn.Module):
+    """Token embedding → N pre-norm blocks → RMSNorm → LM head. ``forward(tokens)`` gives logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        rope = RotaryEmbedding(config.d_head, config.context_length, config.rope_theta)
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(config, rope) for _ in range(config.num_layers))
+        self.final_norm = RMSNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.embedding.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                _init_linear(module)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (B, T) int → logits (B, T, vocab_size)."""
+        T = tokens.shape[-1]
+        if T > self.config.context_length:
+            raise ValueError(
+                f"sequence length {T} exceeds the model's context_length {self.config.context_length}: "
+                "raise model.context_length or feed shorter sequences"
+            )
+        x = self.embedding(tokens)  # (B, T, D)
+        for i, block in enumerate(self.blocks):
+            with nvtx_range(f"block_{i}"):
+                x = block(x)
+        return self.lm_head(self.final_norm(x))  # (B, T, V)
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embedding.weight.numel() if exclude_embedding else n
+
+    def flops_per_token(self, context_length: int | None = None) -> float:
+        """Training FLOPs per token: 6 × matmul parameters + 12 · layers · T · d_model for attention.
+
+        The attention term counts the full T×T score matrix (the PaLM / Chinchilla convention), so
+        MFU is comparable with published figures; a causal kernel does about half of that work.
+        """
+        c = self.config
+        T = context_length or c.context_length
+        matmul_params = self.num_parameters(exclude_embedding=True) - sum(
+            m.weight.numel() for m in self.modules() if isinstance(m, RMSNorm)
+        )
+        return 6.0 * matmul_params + 12.0 * c.num_layers * T * c.d_model
