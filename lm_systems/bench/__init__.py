@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m lm_systems.bench.<name>``; each prints a table and writes benchmarks/results/."""
