@@ -1,0 +1,112 @@
+"""Sample text from a TransformerLM or a training checkpoint.
+
+    python -m lm_systems.generate --ckpt logs/.../checkpoints/last.ckpt --prompt "Once upon a time"
+"""
+
+from __future__ import annotations
+
+import argparse
+import zipfile
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from lm_systems.config import ModelConfig
+from lm_systems.model import TransformerLM
+
+MODEL_PREFIX = "model."
+"""Where LitLM keeps the TransformerLM in its state dict."""
+
+
+@torch.no_grad()
+def sample(
+    model: TransformerLM,
+    prompt_ids: list[int],
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_p: float = 0.9,
+    eot_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Continue ``prompt_ids`` by nucleus sampling; stops after ``max_new_tokens`` or at ``eot_id``."""
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    new: list[int] = []
+    was_training = model.training
+    model.eval()
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -model.config.context_length :])[0, -1].float()  # (V,)
+        if temperature == 0:
+            next_id = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            outside = sorted_probs.cumsum(0) - sorted_probs > top_p
+            sorted_probs[outside] = 0.0
+            choice = torch.multinomial(sorted_probs.cpu(), 1, generator=generator)
+            next_id = int(order[choice.to(device)])
+        if next_id == eot_id:
+            break
+        new.append(next_id)
+        ids = torch.cat([ids, torch.tensor([[next_id]], device=device)], dim=1)
+    model.train(was_training)
+    return new
+
+
+def sample_text(model: TransformerLM, tokenizer: Tokenizer, prompt: str, **kwargs) -> str:
+    """``sample`` on text: encode the prompt, decode prompt + continuation."""
+    prompt_ids = tokenizer.encode(prompt).ids
+    eot_id = tokenizer.token_to_id("<|endoftext|>")
+    return tokenizer.decode(prompt_ids + sample(model, prompt_ids, eot_id=eot_id, **kwargs))
+
+
+def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[TransformerLM, Tokenizer]:
+    """The model and tokenizer stored in a LitLM checkpoint, with an error naming --ckpt if it can't be read."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist: check --ckpt")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{str(path)!r} is not a readable PyTorch checkpoint: check --ckpt")
+    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    if "model_config" not in ckpt or "tokenizer" not in ckpt:
+        raise ValueError(f"{str(path)!r} was not written by lm_systems training (no model config or tokenizer)")
+    known = {f.name for f in fields(ModelConfig)}
+    config = ModelConfig(**{k: v for k, v in ckpt["model_config"].items() if k in known})
+    model = TransformerLM(config)
+    state = {k[len(MODEL_PREFIX) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(MODEL_PREFIX)}
+    model.load_state_dict(state)
+    return model, Tokenizer.from_str(ckpt["tokenizer"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
+    parser.add_argument("--prompt", default="Once upon a time", help="text to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    parser.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass")
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load_checkpoint(args.ckpt)
+    model.to(args.device)
+    generator = torch.Generator().manual_seed(args.seed)
+    for i in range(args.num_samples):
+        text = sample_text(
+            model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, generator=generator,
+        )
+        print(f"--- sample {i + 1} ---\n{text}")
+
+
+if __name__ == "__main__":
+    main()
