@@ -1,0 +1,12 @@
+"""Lightning callbacks for profiling training: NVTX ranges, CUDA memory snapshots, step timing, tokens/s and MFU.
+
+Each takes typed keyword arguments, so LightningCLI can build it from YAML or the command line:
+``--trainer.callbacks+=callbacks.StepTimer --trainer.callbacks.warmup_steps=2``.
+"""
+
+from callbacks.memory_snapshot import MemorySnapshot
+from callbacks.nvtx_ranges import NVTXRanges
+from callbacks.step_timing import StepTimer
+from callbacks.throughput import MFUMonitor
+
+__all__ = ["MFUMonitor", "MemorySnapshot", "NVTXRanges", "StepTimer"]

@@ -1,0 +1,85 @@
+"""Tokens per second and model FLOPs utilisation: Lightning's ThroughputMonitor, set up for token batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lm_systems.hardware import peak_flops
+
+
+def sequences_in_batch(batch: torch.Tensor) -> int:
+    """Sequences in a (B, T + 1) token window batch."""
+    return batch.size(0)
+
+
+def tokens_in_batch(batch: torch.Tensor) -> int:
+    """Predicted tokens in a (B, T + 1) window batch: B · T (the last column is only a target)."""
+    return batch.size(0) * (batch.size(1) - 1)
+
+
+class _ForwardOnlyThroughput(Throughput):
+    """Counts a third of the reported FLOPs: evaluation runs the forward pass only (2N of the 6N per token)."""
+
+    def update(self, *, flops: float | None = None, **counts: Any) -> None:
+        super().update(flops=None if flops is None else flops / 3, **counts)
+
+
+class MFUMonitor(ThroughputMonitor):
+    """Logs tokens/s (``train/device/items_per_sec``) and MFU (``train/device/mfu``) every logged step.
+
+    Lightning's ``ThroughputMonitor`` does the bookkeeping: a rolling window of step times, and the
+    LightningModule's ``flops_per_batch`` (``LitLM`` sets it from ``TransformerLM.flops_per_token``).
+    This subclass counts tokens from the (B, T + 1) batches and takes the peak FLOP/s from
+    ``lm_systems.hardware`` (dense rates; Lightning's table has the H200's sparse ones), for the
+    precision the trainer runs in: bf16 peak under ``bf16-mixed``, fp32 (or TF32) under ``32-true``.
+    Validation throughput (``validate/...``) counts a third of ``flops_per_batch``: forward only.
+    """
+
+    def __init__(self, window_size: int = 20, peak_flops_per_s: float | None = None) -> None:
+        """``window_size``: steps in the rolling average (MFU appears once the window is full);
+        ``peak_flops_per_s``: override the device's peak, for a GPU missing from ``lm_systems.hardware``.
+        """
+        if window_size < 2:
+            raise ValueError(f"MFUMonitor window_size must be >= 2 (a rate needs two points), got {window_size}")
+        super().__init__(batch_size_fn=sequences_in_batch, length_fn=tokens_in_batch, window_size=window_size)
+        self._peak_override = peak_flops_per_s
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
+        device = trainer.strategy.root_device
+        self.available_flops = self._peak_override or peak_flops(device, dtype)
+        if self.available_flops is None and device.type == "cuda":
+            rank_zero_warn(
+                f"MFUMonitor knows no peak FLOP/s for {torch.cuda.get_device_name(device)!r} in {dtype}: "
+                "set the callback's peak_flops_per_s to log MFU"
+            )
+        for stage_key, throughput in list(self._throughputs.items()):
+            if stage_key == RunningStage.TRAINING:
+                throughput.available_flops = self.available_flops
+            else:
+                # ``flops_per_batch`` counts a training step; evaluation batches do the forward third.
+                self._throughputs[stage_key] = _ForwardOnlyThroughput(
+                    available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs
+                )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *args: Any
+    ) -> None:
+        if not isinstance(batch, torch.Tensor) or batch.dim() != 2:
+            raise TypeError(
+                "MFUMonitor expects (B, T + 1) token batches as LMDataModule yields, "
+                f"got {type(batch).__name__} {getattr(batch, 'shape', '')}"
+            )
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
