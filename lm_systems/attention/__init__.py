@@ -6,6 +6,8 @@ Every implementation is a function ``attn(q, k, v, is_causal) -> o`` over tensor
 (query ``i`` sees keys ``j <= i + N_k - N_q``), as in decoding with a KV cache.
 """
 
+import importlib.util
+
 from lm_systems.attention.registry import (
     AttentionFn,
     attention_names,
@@ -17,6 +19,11 @@ from lm_systems.attention.registry import (
 # Importing the implementations registers them.
 from lm_systems.attention import naive as _naive  # noqa: F401
 from lm_systems.attention import sdpa as _sdpa  # noqa: F401
+from lm_systems.attention import flash_torch as _flash_torch  # noqa: F401
+
+# Without triton installed, flash_triton is simply not registered (and ``auto`` falls back).
+if importlib.util.find_spec("triton") is not None:
+    from lm_systems.attention import flash_triton as _flash_triton  # noqa: F401
 
 __all__ = [
     "AttentionFn",

@@ -1,0 +1,162 @@
+"""FlashAttention2Triton: the Triton kernels as an autograd Function, registered as ``flash_triton``.
+
+``FlashAttention2Triton.apply(q, k, v, is_causal=False)`` takes q (..., N_q, d) and k, v (..., N_k, d)
+in fp16, bf16 or fp32 on a CUDA device, 16 <= d <= 128 (any d: it is padded to a power of two
+inside the kernels), any N_q and N_k. It saves q, k, v, O and the logsumexp L (shape
+``q.shape[:-1]``, float32) for backward. Under autocast the inputs are cast to the autocast dtype,
+as PyTorch does for its own attention. Works inside ``torch.compile``.
+
+Causal attention with N_q != N_k aligns queries to the end of the keys (query i sees keys
+j <= i + N_k - N_q); a query that sees no key gets a zero output and L = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from lm_systems.attention.flash_torch import check_attention_inputs
+from lm_systems.attention.flash_triton_autotune import attn_bwd_dkdv, attn_bwd_dq, attn_fwd, interpreting
+from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kernel
+from lm_systems.attention.registry import register_attention
+
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PREPROCESS_BLOCK = 64  # rows per program of the memory-bound D = rowsum(dO ∘ O) kernel
+
+
+def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise a ValueError naming what to change unless the Triton kernels can take q, k, v."""
+    check_attention_inputs(q, k, v, "FlashAttention2Triton")
+    d = q.shape[-1]
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"FlashAttention2Triton supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {d}: change "
+            "model.d_model / model.num_heads, or use attention='flash_torch' or 'sdpa'"
+        )
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"FlashAttention2Triton supports float16, bfloat16 and float32 inputs, got {q.dtype}")
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"FlashAttention2Triton needs CUDA tensors, got {q.device.type}: move the inputs to a GPU, set "
+            "TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU, or use attention='sdpa'"
+        )
+
+
+def _as_bhnd(x: torch.Tensor) -> torch.Tensor:
+    """(..., N, d) → a (B, H, N, d) view (a copy only if the leading dims cannot merge or d is strided)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        return x[None, None]
+    if x.dim() == 3:
+        return x[:, None]
+    return x.reshape(-1, *x.shape[-3:])
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _kernel_dims(d: int, n_q: int, n_k: int) -> dict:
+    return {
+        "N_Q_KEY": triton.next_power_of_2(n_q),
+        "N_K_KEY": triton.next_power_of_2(n_k),
+        "HEAD_DIM": d,
+        "HEAD_DIM_PAD": max(16, triton.next_power_of_2(d)),
+    }
+
+
+def flash_forward_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O shaped like q and the logsumexp L shaped ``q.shape[:-1]`` (float32)."""
+    check_triton_inputs(q, k, v)
+    q4, k4, v4 = _as_bhnd(q), _as_bhnd(k), _as_bhnd(v)
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    out = torch.empty((batch, heads, n_q, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
+
+    def grid(meta):
+        return triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads
+
+    attn_fwd[grid](
+        q4, k4, v4, out, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out),
+        heads, n_q, n_k, 1.0 / math.sqrt(d), CAUSAL=is_causal, **_kernel_dims(d, n_q, n_k),
+    )
+    return out.view(q.shape), lse.view(q.shape[:-1])
+
+
+def flash_backward_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV: the D preprocess, then the dK/dV pass and the dQ pass."""
+    q4, k4, v4, o4 = _as_bhnd(q), _as_bhnd(k), _as_bhnd(v), _as_bhnd(out)
+    do4 = _as_bhnd(grad_out.to(q.dtype))
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    dims = _kernel_dims(d, n_q, n_k)
+    sm_scale = 1.0 / math.sqrt(d)
+
+    delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
+    attn_bwd_preprocess_kernel[(triton.cdiv(n_q, PREPROCESS_BLOCK), batch * heads)](
+        o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
+        HEAD_DIM=d, HEAD_DIM_PAD=dims["HEAD_DIM_PAD"], BLOCK_M=PREPROCESS_BLOCK,
+    )
+
+    dq = torch.empty((batch, heads, n_q, d), dtype=q.dtype, device=q.device)
+    dk = torch.empty((batch, heads, n_k, d), dtype=k.dtype, device=q.device)
+    dv = torch.empty((batch, heads, n_k, d), dtype=v.dtype, device=q.device)
+
+    def dkdv_grid(meta):
+        return triton.cdiv(n_k, meta["BLOCK_N"]), batch * heads
+
+    def dq_grid(meta):
+        return triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads
+
+    attn_bwd_dkdv[dkdv_grid](
+        q4, k4, v4, do4, lse, delta, dk, dv,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk), *_strides(dv),
+        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
+    )
+    attn_bwd_dq[dq_grid](
+        q4, k4, v4, do4, lse, delta, dq,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq),
+        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
+    )
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+class FlashAttention2Triton(torch.autograd.Function):
+    """FlashAttention-2 with Triton kernels for forward and backward; saves only L beside q, k, v, O."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        if torch.is_autocast_enabled(q.device.type):
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        out, lse = flash_forward_triton(q, k, v, is_causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal = is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_backward_triton(q, k, v, out, lse, grad_out, ctx.is_causal)
+        return dq, dk, dv, None
+
+
+@register_attention("flash_triton")
+def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    """FlashAttention-2 in Triton (fp16 / bf16 / fp32, head dims 16..128)."""
+    return FlashAttention2Triton.apply(q, k, v, is_causal)

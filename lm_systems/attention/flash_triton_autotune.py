@@ -1,0 +1,97 @@
+"""Autotuned FlashAttention-2 kernels: the tile-size / warp / stage candidates and the prune function.
+
+Each kernel is tuned per (query-length bucket, key-length bucket, head dim, causal, dtypes). The
+buckets are the next power of two, so a training run with a fixed context tunes once and odd lengths
+share the tuning of their bucket. Set ``LM_SYSTEMS_FLASH_AUTOTUNE=0`` to skip tuning and take each
+kernel's first candidate (useful for tests over many shapes, where compiling every candidate costs
+more than the tests). Under ``TRITON_INTERPRET=1`` one small config is used: the interpreter runs
+on the CPU, where timing candidates means nothing, and small unequal tiles exercise the tile logic
+(several query and key tiles, diagonal tiles, ragged ends) at the tiny test sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from lm_systems.attention.flash_triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from lm_systems.attention.flash_triton_forward import attn_fwd_kernel
+
+AUTOTUNE_ENV = "LM_SYSTEMS_FLASH_AUTOTUNE"
+
+
+def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples → triton.Configs, the first being the default."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in candidates
+    ]
+
+
+# Forward and dQ: a program owns BLOCK_M queries and streams K, V in BLOCK_N tiles.
+FWD_CONFIGS = _configs([
+    (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 32, 4, 4), (64, 64, 4, 3),
+])
+DQ_CONFIGS = _configs([
+    (128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 4),
+])
+# dK/dV: a program owns BLOCK_N keys and streams Q, dO in BLOCK_M tiles.
+DKDV_CONFIGS = _configs([
+    (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4),
+])
+INTERPRETER_CONFIG = {
+    "fwd": triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1),
+    "dq": triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1),
+    "dkdv": triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1),
+}
+AUTOTUNE_KEY = ["N_Q_KEY", "N_K_KEY", "HEAD_DIM", "CAUSAL"]
+
+
+def interpreting() -> bool:
+    """True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when they were defined)."""
+    return isinstance(attn_fwd_kernel, InterpretedFunction)
+
+
+def _pruner(kind: str):
+    """A prune function for ``kind`` in fwd / dq / dkdv (the argument triton.autotune calls it with)."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        if interpreting():
+            return [INTERPRETER_CONFIG[kind]]
+        if os.environ.get(AUTOTUNE_ENV, "1") == "0":
+            return configs[:1]
+        args = {**named_args, **kwargs}
+        head_dim_pad = args["HEAD_DIM_PAD"]
+        elem_bytes = args["Q"].element_size()
+        limit = triton.runtime.driver.active.utils.get_device_properties(args["Q"].device.index)["max_shared_mem"]
+        kept = []
+        for config in configs:
+            bm, bn, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
+            # Tiles longer than the (bucketed) sequence only add masked work.
+            if bm > max(args["N_Q_KEY"], 16) or bn > max(args["N_K_KEY"], 16):
+                continue
+            # Pipelined shared memory: two streamed tiles per stage (K, V or Q, dO) plus two resident ones.
+            streamed, resident = (bm, bn) if kind == "dkdv" else (bn, bm)
+            if (config.num_stages * 2 * streamed + 2 * resident) * head_dim_pad * elem_bytes > limit:
+                continue
+            # fp32 registers per thread for the accumulators and score tiles; far past 255 means spills.
+            live = {"fwd": bm * head_dim_pad + bm * bn, "dq": bm * head_dim_pad + 2 * bm * bn,
+                    "dkdv": 2 * bn * head_dim_pad + 2 * bm * bn}[kind]
+            if live / (32 * warps) > 256:
+                continue
+            kept.append(config)
+        return kept or configs[-1:]
+
+    return prune
+
+
+attn_fwd = triton.autotune(FWD_CONFIGS, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _pruner("fwd")})(
+    attn_fwd_kernel
+)
+attn_bwd_dq = triton.autotune(DQ_CONFIGS, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _pruner("dq")})(
+    attn_bwd_dq_kernel
+)
+attn_bwd_dkdv = triton.autotune(
+    DKDV_CONFIGS, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _pruner("dkdv")}
+)(attn_bwd_dkdv_kernel)

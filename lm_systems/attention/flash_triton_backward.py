@@ -1,0 +1,208 @@
+"""Triton backward kernels of FlashAttention-2: D = rowsum(dO ∘ O), a dK/dV pass and a dQ pass.
+
+The two passes recompute P = exp2(S · scale · log2 e − L · log2 e) from the saved logsumexp instead
+of storing it, and split the work so that every output tile has one owner: a dK/dV program holds a
+key tile and walks the query tiles that see it, a dQ program holds a query tile and walks the key
+tiles it sees. No atomics, no second accumulation buffer. As in the forward, causal tiles are
+visited in stages so that only tiles crossing the diagonal (or the ragged end) are masked.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lm_systems.attention.flash_triton_forward import (
+    FP32_DOT_PRECISION,
+    LOG2_E,
+    _key_ranges,
+    _load_rows,
+    _store_rows,
+)
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+                               num_heads, n_q,
+                               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """D = rowsum(dO ∘ O), once per query row, so neither pass recomputes it per tile."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    o = _load_rows(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
+                   offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
+                    offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d, lo, hi, n_q, n_k, qk_scale,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q = _load_rows(Q + rows[:, None] * stride_qn + offs_d[None, :], rows, n_q, offs_d,
+                       HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        if MASKED:
+            lse2 = tl.load(LSE + rows, mask=rows < n_q, other=0.0) * LOG2_E
+        else:
+            lse2 = tl.load(LSE + rows) * LOG2_E
+        # Transposed tiles (keys × queries) so that dV and dK come out of plain dots, no transposes.
+        s_t = tl.dot(k, tl.trans(q), input_precision=FP32_DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+        if MASKED:
+            visible = rows[None, :] < n_q
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= rows[None, :] + (n_k - n_q))
+            # where, not multiply: a row that sees no key has L = -inf and exp2 gave inf there.
+            p_t = tl.where(visible, p_t, 0.0)
+        do = _load_rows(DO + rows[:, None] * stride_don + offs_d[None, :], rows, n_q, offs_d,
+                        HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        # -- dV += Pᵀ dO
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=FP32_DOT_PRECISION)
+        # -- dSᵀ = Pᵀ ∘ (dPᵀ − D), dK += dSᵀ Q (the softmax scale is applied once, at the end)
+        if MASKED:
+            delta = tl.load(DELTA + rows, mask=rows < n_q, other=0.0)
+        else:
+            delta = tl.load(DELTA + rows)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=FP32_DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=FP32_DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                         num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_N keys of one (batch, head); walks every query tile that sees them."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_dob + h * stride_doh
+    DK += b * stride_dkb + h * stride_dkh
+    DV += b * stride_dvb + h * stride_dvh
+    LSE += bh.to(tl.int64) * n_q
+    DELTA += bh.to(tl.int64) * n_q
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    k = _load_rows(K + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, n_k, offs_d,
+                   HEAD_DIM, HEAD_DIM_PAD, True)
+    v = _load_rows(V + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, n_k, offs_d,
+                   HEAD_DIM, HEAD_DIM_PAD, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2_E
+
+    full_end = (n_q // BLOCK_M) * BLOCK_M  # query tiles with no ragged end
+    ceil_end = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        shift = n_k - n_q
+        # Query i sees key j iff i >= j - shift: the first query seeing any key of this tile, and
+        # the first from which every query sees all of them; start at the diagonal, skip what is above.
+        diag_start = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
+        unmasked_start = tl.cdiv(tl.maximum(start_n + BLOCK_N - shift, 0), BLOCK_M) * BLOCK_M
+    else:
+        diag_start = 0
+        unmasked_start = 0
+    # stage 1: query tiles crossing the diagonal, masked
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
+                         diag_start, tl.minimum(unmasked_start, ceil_end), n_q, n_k, qk_scale,
+                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, True)
+    # stage 2: query tiles that see the whole key tile, no mask
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
+                         unmasked_start, full_end, n_q, n_k, qk_scale,
+                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, False)
+    # stage 3: the ragged last query tile, masked (empty when stage 1 already reached it)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
+                         tl.maximum(unmasked_start, full_end), ceil_end, n_q, n_k, qk_scale,
+                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, True)
+
+    _store_rows(DK + offs_n[:, None] * stride_dkn + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+                offs_n, n_k, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    _store_rows(DV + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                offs_n, n_k, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, lo, hi, n_q, n_k, qk_scale,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_rows(K + cols[:, None] * stride_kn + offs_d[None, :], cols, n_k, offs_d,
+                       HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        v = _load_rows(V + cols[:, None] * stride_vn + offs_d[None, :], cols, n_k, offs_d,
+                       HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=FP32_DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:
+            visible = cols[None, :] < n_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + (n_k - n_q))
+            p = tl.where(visible, p, 0.0)
+        # -- dS = P ∘ (dP − D), dQ += dS K
+        dp = tl.dot(do, tl.trans(v), input_precision=FP32_DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=FP32_DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                       stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                       stride_dqb, stride_dqh, stride_dqn,
+                       num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch, head); walks every key tile they see."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_dob + h * stride_doh
+    DQ += b * stride_dqb + h * stride_dqh
+    LSE += bh.to(tl.int64) * n_q
+    DELTA += bh.to(tl.int64) * n_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q = _load_rows(Q + offs_m[:, None] * stride_qn + offs_d[None, :], offs_m, n_q, offs_d,
+                   HEAD_DIM, HEAD_DIM_PAD, True)
+    do = _load_rows(DO + offs_m[:, None] * stride_don + offs_d[None, :], offs_m, n_q, offs_d,
+                    HEAD_DIM, HEAD_DIM_PAD, True)
+    # Rows past n_q read L = D = 0: their P is finite and, with dO = 0, their dS is zero.
+    lse2 = tl.load(LSE + offs_m, mask=offs_m < n_q, other=0.0) * LOG2_E
+    delta = tl.load(DELTA + offs_m, mask=offs_m < n_q, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2_E
+
+    unmasked_end, masked_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, 0, unmasked_end,
+                   n_q, n_k, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, False)
+    dq = _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, unmasked_end, masked_end,
+                   n_q, n_k, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, True)
+
+    _store_rows(DQ + offs_m[:, None] * stride_dqn + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD)
