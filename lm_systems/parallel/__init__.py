@@ -1,0 +1,24 @@
+"""Data parallelism in plain torch.distributed (no Lightning): gradient-averaging containers and ZeRO-1.
+
+- ``NaiveDDP(module, flat=False)``: all-reduce after backward, per parameter or flattened.
+- ``DDPIndividualParameters(module)``: per-parameter async all-reduce launched during backward.
+- ``DDPBucketed(module, bucket_size_mb)``: bucketed async all-reduce, gradients as bucket views.
+- ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
+"""
+
+from lm_systems.parallel.base import DataParallelModule
+from lm_systems.parallel.bucketed import DDPBucketed, assign_buckets
+from lm_systems.parallel.naive import NaiveDDP
+from lm_systems.parallel.overlap import DDPIndividualParameters, OverlappedDDP
+from lm_systems.parallel.sharded_optimizer import ShardedOptimizer, optimizer_init_kwargs
+
+__all__ = [
+    "DDPBucketed",
+    "DDPIndividualParameters",
+    "DataParallelModule",
+    "NaiveDDP",
+    "OverlappedDDP",
+    "ShardedOptimizer",
+    "assign_buckets",
+    "optimizer_init_kwargs",
+]

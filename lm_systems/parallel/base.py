@@ -1,0 +1,73 @@
+"""What every data-parallel container shares: the start-up broadcast, forward, ``no_sync`` and hook bookkeeping."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from lm_systems.parallel.collectives import broadcast_module_state, require_process_group
+
+
+class DataParallelModule(nn.Module, ABC):
+    """Base of the containers: replicas start from rank 0's weights; subclasses average the gradients.
+
+    Usage, on every rank::
+
+        model = DDPBucketed(model, bucket_size_mb=25)
+        loss_fn(model(x), y).backward()
+        model.finish_gradient_synchronization()   # .grad now holds the mean over ranks
+        optimizer.step()
+
+    Inside ``with model.no_sync():`` backward passes only accumulate locally; the next backward outside it
+    (and its ``finish_gradient_synchronization()``) averages the accumulated sum.
+
+    Only parameters with ``requires_grad`` at construction are synchronised. A parameter that gets no
+    gradient on some rank counts as zero there; one that gets none on any rank keeps ``grad = None``,
+    exactly as single-process training would leave it.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        require_process_group(type(self).__name__)
+        self.module = module
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.require_backward_grad_sync = True
+        self._hook_handles: list[RemovableHandle] = []
+        broadcast_module_state(module, src=0)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Parameters to synchronise, in registration order (tied weights appear once)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally and communicate nothing."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    @abstractmethod
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for (or run) the gradient all-reduces; afterwards ``.grad`` holds the mean over ranks."""
+
+    def _add_hook(self, handle: RemovableHandle) -> None:
+        self._hook_handles.append(handle)
+
+    def remove_hooks(self) -> None:
+        """Detach the container from its parameters' autograd hooks (gradients stay as they are)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()

@@ -1,0 +1,127 @@
+"""Overlapping gradient communication with backward: the shared launch logic, and one all-reduce per parameter."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from lm_systems.parallel.base import DataParallelModule
+from lm_systems.parallel.collectives import GradPresence, PendingAverage
+
+
+class OverlappedDDP(DataParallelModule):
+    """Averages gradients in *units* (a parameter, or a bucket of them) launched during backward.
+
+    A unit's async all-reduce starts once every parameter in it has its gradient accumulated
+    (``register_post_accumulate_grad_hook``). Units launch strictly in index order, so every rank issues
+    the same sequence of collectives even when gradients arrive in different orders or a parameter is
+    unused on one rank; a unit that is ready early waits for the ones before it. Units never launched
+    during backward (unused parameters, ``no_sync``) are launched by ``finish_gradient_synchronization``.
+    """
+
+    def __init__(self, module: nn.Module, units: list[list[nn.Parameter]]) -> None:
+        super().__init__(module)
+        self._units = units
+        self._params = [p for unit in units for p in unit]
+        self._names = {id(p): name for name, p in module.named_parameters()}
+        self._presence = GradPresence(self._params)
+        self._works: list[PendingAverage | None] = [None] * len(units)
+        self._waiting = [len(unit) for unit in units]  # gradients still to arrive, per unit, this backward
+        self._arrived: set[int] = set()
+        self._next_unit = 0
+        for u, unit in enumerate(units):
+            for i, param in enumerate(unit):
+                self._add_hook(param.register_post_accumulate_grad_hook(partial(self._on_grad_accumulated, u, i)))
+
+    # -- subclass interface ------------------------------------------------------------------
+
+    def _place_gradient(self, unit: int, index: int, param: nn.Parameter) -> None:
+        """Called after every accumulation into ``param.grad``, syncing or not."""
+
+    @abstractmethod
+    def _launch(self, unit: int) -> PendingAverage:
+        """Start the averaging all-reduce of a unit whose gradients are all in place."""
+
+    @abstractmethod
+    def _prepare_late(self, unit: int) -> None:
+        """Before a launch from ``finish``: put zeros where a parameter has no gradient on this rank."""
+
+    @abstractmethod
+    def _averaged(self, unit: int, index: int) -> torch.Tensor:
+        """After the wait: the averaged gradient of the unit's ``index``-th parameter."""
+
+    # -- launching ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _on_grad_accumulated(self, unit: int, index: int, param: nn.Parameter) -> None:
+        self._place_gradient(unit, index, param)
+        if not self.require_backward_grad_sync:
+            return
+        if self._works[unit] is not None or id(param) in self._arrived:
+            raise RuntimeError(
+                f"the gradient of {self._names.get(id(param), 'a parameter')!r} arrived after its all-reduce "
+                "was launched: call finish_gradient_synchronization() after every backward, and run "
+                "accumulation micro-batches inside no_sync()"
+            )
+        self._arrived.add(id(param))
+        self._waiting[unit] -= 1
+        if self._waiting[unit] == 0:
+            self._launch_ready_units()
+
+    def _launch_ready_units(self) -> None:
+        while self._next_unit < len(self._units) and self._waiting[self._next_unit] == 0:
+            self._works[self._next_unit] = self._launch(self._next_unit)
+            self._next_unit += 1
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        local = [p.grad is not None for p in self._params]
+        for unit in range(self._next_unit, len(self._units)):
+            self._prepare_late(unit)
+            self._works[unit] = self._launch(unit)
+        self._presence.launch(local)
+        for work in self._works:
+            work.wait()
+        present = iter(self._presence.wait())
+        for u, unit in enumerate(self._units):
+            for i, param in enumerate(unit):
+                anywhere = next(present)
+                if param.grad is None and anywhere:
+                    param.grad = self._averaged(u, i)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._works = [None] * len(self._units)
+        self._waiting = [len(unit) for unit in self._units]
+        self._arrived.clear()
+        self._next_unit = 0
+
+
+class DDPIndividualParameters(OverlappedDDP):
+    """Launches an async all-reduce of each gradient, in place in ``.grad``, as soon as it is accumulated."""
+
+    def __init__(self, module: nn.Module) -> None:
+        params = [p for p in module.parameters() if p.requires_grad]
+        # Reverse registration order: roughly the order backward produces gradients in.
+        super().__init__(module, [[p] for p in reversed(params)])
+        self._zeros: dict[int, torch.Tensor] = {}
+
+    def _launch(self, unit: int) -> PendingAverage:
+        param = self._units[unit][0]
+        grad = param.grad if param.grad is not None else self._zeros[unit]
+        return PendingAverage(grad)
+
+    def _prepare_late(self, unit: int) -> None:
+        param = self._units[unit][0]
+        if param.grad is None:
+            self._zeros[unit] = torch.zeros_like(param)
+
+    def _averaged(self, unit: int, index: int) -> torch.Tensor:
+        return self._zeros.pop(unit)
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._zeros.clear()

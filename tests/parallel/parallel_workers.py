@@ -1,0 +1,210 @@
+"""Worker processes for the container tests: a toy model with every awkward kind of parameter, trained
+data-parallel on two gloo ranks and, on rank 0, single-process on the same global batch as the reference.
+
+Module level (picklable) so that torch.multiprocessing.spawn can start them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lm_systems.parallel import DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer
+
+VOCAB, DIM, BATCH, STEPS, MICRO_BATCHES = 37, 13, 3, 3, 2
+TIMEOUT = timedelta(seconds=60)
+
+
+class ToyNet(nn.Module):
+    """Tied embedding/head, a frozen layer, a layer no rank uses, one only rank 0 uses, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.never_used = nn.Linear(DIM, 3)  # registered first: its unit launches last, so others overlap
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.rank0_only = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.rand(DIM) + 0.5)
+
+    def forward(self, tokens: torch.Tensor, use_rank0_only: bool) -> torch.Tensor:
+        x = self.embed(tokens) * self.scale  # (B, T, D)
+        x = torch.tanh(self.hidden(x)) + self.frozen(x)
+        if use_rank0_only:
+            x = x + self.rank0_only(x)
+        return self.head(x)  # (B, T, V)
+
+
+def shard_loss(model: nn.Module, tokens: torch.Tensor, rank: int) -> torch.Tensor:
+    logits = model(tokens[:, :-1], rank == 0)
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def global_batches(world_size: int, micro_batches: int) -> list[torch.Tensor]:
+    """(steps, ranks, micro-batches) of token windows, the same on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, VOCAB, (world_size, micro_batches, BATCH, 7), generator=g) for _ in range(STEPS)]
+
+
+def make_optimizer(model: nn.Module, sharded: str | None) -> torch.optim.Optimizer:
+    """AdamW over two groups; the sharded one gets its second group through add_param_group."""
+    named = dict(model.named_parameters())
+    first = [named[n] for n in ("embed.weight", "hidden.weight", "hidden.bias")]
+    second = [p for n, p in named.items() if p.requires_grad and n not in ("embed.weight", "hidden.weight", "hidden.bias")]
+    # A large eps keeps the update sensitive to the gradient scale (plain Adam is nearly scale-invariant).
+    kwargs = dict(lr=0.05, weight_decay=0.1, betas=(0.8, 0.9), eps=0.1)
+    if sharded is None:
+        return torch.optim.AdamW([{"params": first}, {"params": second, "lr": 0.02}], **kwargs)
+    optimizer = ShardedOptimizer(first, torch.optim.AdamW, exchange=sharded, **kwargs)
+    optimizer.add_param_group({"params": second, "lr": 0.02})
+    return optimizer
+
+
+def reference_training(initial: nn.Module, world_size: int, micro_batches: int):
+    """Single process on the global batch: the mean of every rank's and micro-batch's loss."""
+    model = copy.deepcopy(initial)
+    optimizer = make_optimizer(model, None)
+    for batch in global_batches(world_size, micro_batches):
+        optimizer.zero_grad()
+        loss = sum(
+            shard_loss(model, batch[r, m], r) for r in range(world_size) for m in range(micro_batches)
+        ) / (world_size * micro_batches)
+        loss.backward()
+        optimizer.step()
+    return model, optimizer
+
+
+class AllReduceCounter:
+    """Counts dist.all_reduce calls (the containers look it up on the module at call time)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = dist.all_reduce
+
+    def __enter__(self) -> "AllReduceCounter":
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self._original(*args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self._original
+
+
+CONTAINERS = {
+    "naive": lambda m: NaiveDDP(m),
+    "naive_flat": lambda m: NaiveDDP(m, flat=True),
+    "individual": lambda m: DDPIndividualParameters(m),
+    "bucketed": lambda m: DDPBucketed(m, bucket_size_mb=0.002),  # ~2 KB: several buckets
+    "bucketed_one_bucket": lambda m: DDPBucketed(m, bucket_size_mb=100),
+}
+
+
+def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None):
+    """Train a fresh, rank-seeded ToyNet; returns (what the tests check, the container, its optimizer)."""
+    torch.manual_seed(100 + rank)  # every rank starts from different weights: the container must broadcast
+    before = ToyNet()
+    model = CONTAINERS[container](copy.deepcopy(before))
+    initial = copy.deepcopy(model.module)  # rank 0's weights, after the broadcast
+    optimizer = make_optimizer(model.module, sharded)
+    report = {"no_sync_all_reduces": 0, "all_reduces_during_backward": []}
+    for batch in global_batches(world_size, MICRO_BATCHES):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        with AllReduceCounter() as counter, model.no_sync():
+            (shard_loss(model, batch[rank, 0], rank) / MICRO_BATCHES).backward()
+        report["no_sync_all_reduces"] += counter.calls
+        with AllReduceCounter() as counter:
+            (shard_loss(model, batch[rank, 1], rank) / MICRO_BATCHES).backward()
+        report["all_reduces_during_backward"].append(counter.calls)
+        model.finish_gradient_synchronization()
+        report["rank0_only_grad_is_none"] = model.module.rank0_only.weight.grad is None
+        report["never_used_grad_is_none"] = model.module.never_used.weight.grad is None
+        optimizer.step()
+    report["before"] = before.state_dict()
+    report["initial"] = initial.state_dict()
+    report["final"] = model.module.state_dict()
+    if rank == 0:
+        reference, reference_optimizer = reference_training(initial, world_size, MICRO_BATCHES)
+        report["reference"] = reference.state_dict()
+        report["reference_optimizer"] = reference_optimizer.state_dict()
+    return report, model, optimizer
+
+
+def init_group(rank: int, world_size: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
+
+
+def run_containers(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Every container, plus the bucketed one with ``zero_grad(set_to_none=False)``."""
+    torch.set_num_threads(1)
+    init_group(rank, world_size, port)
+    try:
+        runs = {name: train_with(name, rank, world_size)[0] for name in CONTAINERS}
+        runs["bucketed_keep_grads"] = train_with("bucketed", rank, world_size, set_to_none=False)[0]
+        torch.save(runs, Path(out_dir) / f"containers_rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_sharded(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """ShardedOptimizer over DDPBucketed with both exchanges, its consolidated state, and loading a
+    single-process AdamW state into the sharded optimizer (world size 1 → 2)."""
+    torch.set_num_threads(1)
+    init_group(rank, world_size, port)
+    try:
+        runs = {}
+        for exchange in ("p2p", "broadcast"):
+            report, model, optimizer = train_with("bucketed", rank, world_size, sharded=exchange)
+            named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+            report["owned"] = [n for n, p in named if optimizer.owner(p) == rank]
+            report["state_keys"] = [n for n, p in named if p in optimizer.local_optimizer.state]
+            optimizer.consolidate_state_dict(to=0)
+            if rank == 0:
+                report["consolidated"] = optimizer.state_dict()
+            runs[exchange] = report
+        runs["resumed_from_single_process"] = resume_from_single_process(rank, world_size, runs["p2p"])
+        torch.save(runs, Path(out_dir) / f"sharded_rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def resume_from_single_process(rank: int, world_size: int, report: dict) -> dict:
+    """Load rank 0's single-process reference (weights + AdamW state) into a 2-rank sharded run, take one
+    more step, and compare with the reference taking that step alone."""
+    shared = [report.get("reference"), report.get("reference_optimizer")]
+    dist.broadcast_object_list(shared, src=0)
+    weights, optimizer_state = shared
+    model = DDPBucketed(ToyNet(), bucket_size_mb=0.002)
+    model.module.load_state_dict(weights)
+    optimizer = make_optimizer(model.module, "p2p")
+    # Optimizer.load_state_dict keeps same-device tensors as they are: copy so the report stays intact.
+    optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+    batch = torch.randint(0, VOCAB, (world_size, BATCH, 7), generator=torch.Generator().manual_seed(99))
+    optimizer.zero_grad()
+    shard_loss(model, batch[rank], rank).backward()
+    model.finish_gradient_synchronization()
+    optimizer.step()
+    result = {"final": model.module.state_dict()}
+    if rank == 0:
+        reference = ToyNet()
+        reference.load_state_dict(weights)
+        reference_optimizer = make_optimizer(reference, None)
+        reference_optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        (sum(shard_loss(reference, batch[r], r) for r in range(world_size)) / world_size).backward()
+        reference_optimizer.step()
+        result["reference"] = reference.state_dict()
+    return result

@@ -1,0 +1,64 @@
+"""NaiveDDP, DDPIndividualParameters and DDPBucketed on two gloo ranks against single-process training."""
+
+import pytest
+import torch
+
+from parallel_workers import CONTAINERS, run_containers
+
+RUNS = [*CONTAINERS, "bucketed_keep_grads"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, spawn_two_ranks):
+    """One spawn trains every container (process start-up dominates the cost); results per rank."""
+    out = tmp_path_factory.mktemp("containers")
+    spawn_two_ranks(run_containers, out)
+    return [torch.load(out / f"containers_rank{r}.pt") for r in range(2)]
+
+
+def assert_state_close(actual: dict, expected: dict, atol: float = 1e-5) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_ranks_start_different_and_the_broadcast_makes_them_equal(runs, name):
+    rank0, rank1 = runs[0][name], runs[1][name]
+    assert not torch.equal(rank0["before"]["hidden.weight"], rank1["before"]["hidden.weight"])
+    assert not torch.equal(rank0["before"]["scale"], rank1["before"]["scale"])
+    assert_state_close(rank1["initial"], rank0["initial"], atol=0)
+    assert_state_close(rank0["initial"], rank0["before"], atol=0)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_training_matches_single_process_on_the_global_batch(runs, name):
+    """Tied, frozen, unused and rank-0-only parameters included; 2 micro-batches accumulated per step."""
+    reference = runs[0][name]["reference"]
+    for rank in range(2):
+        assert_state_close(runs[rank][name]["final"], reference)
+    assert torch.equal(runs[0][name]["final"]["frozen.weight"], runs[0][name]["initial"]["frozen.weight"])
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_gradient_presence_is_agreed_across_ranks(runs, name):
+    for rank in range(2):
+        assert runs[rank][name]["rank0_only_grad_is_none"] is False, "used on rank 0, so averaged everywhere"
+        assert runs[rank][name]["never_used_grad_is_none"] is True, "unused everywhere: left None, like one process"
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_no_communication_inside_no_sync(runs, name):
+    for rank in range(2):
+        assert runs[rank][name]["no_sync_all_reduces"] == 0
+
+
+@pytest.mark.parametrize("name", ["individual", "bucketed", "bucketed_keep_grads"])
+def test_overlapping_containers_communicate_during_backward(runs, name):
+    # Rank 0 uses every parameter but ``never_used``, whose unit comes last: all earlier units launch early.
+    assert min(runs[0][name]["all_reduces_during_backward"]) > 0
+
+
+@pytest.mark.parametrize("name", ["naive", "naive_flat"])
+def test_naive_containers_communicate_only_after_backward(runs, name):
+    assert max(runs[0][name]["all_reduces_during_backward"]) == 0

@@ -1,0 +1,97 @@
+"""ShardedOptimizer (ZeRO-1) on two gloo ranks: trajectory, sharded state, consolidation, loading across world sizes."""
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel_workers import ToyNet, make_optimizer, run_sharded
+
+EXCHANGES = ["p2p", "broadcast"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, spawn_two_ranks):
+    out = tmp_path_factory.mktemp("sharded")
+    spawn_two_ranks(run_sharded, out)
+    return [torch.load(out / f"sharded_rank{r}.pt") for r in range(2)]
+
+
+def assert_state_close(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_training_matches_single_process_adamw(runs, exchange):
+    """Second parameter group added after construction, with its own learning rate."""
+    for rank in range(2):
+        assert_state_close(runs[rank][exchange]["final"], runs[0][exchange]["reference"])
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_each_rank_holds_state_only_for_its_balanced_shard(runs, exchange):
+    owned = [set(runs[r][exchange]["owned"]) for r in range(2)]
+    assert owned[0].isdisjoint(owned[1])
+    trainable = {n for n, p in ToyNet().named_parameters() if p.requires_grad}
+    assert owned[0] | owned[1] == trainable
+    for rank in range(2):
+        # never_used has no gradient, so AdamW creates no state for it.
+        assert set(runs[rank][exchange]["state_keys"]) == owned[rank] - {"never_used.weight", "never_used.bias"}
+    sizes = dict((n, p.numel()) for n, p in ToyNet().named_parameters())
+    loads = [sum(sizes[n] for n in owned[r]) for r in range(2)]
+    assert abs(loads[0] - loads[1]) <= max(sizes[n] for n in trainable), f"unbalanced shards: {loads}"
+
+
+def assert_optimizer_states_equal(actual: dict, expected: dict) -> None:
+    assert [g["params"] for g in actual["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    assert [g["lr"] for g in actual["param_groups"]] == [g["lr"] for g in expected["param_groups"]]
+    assert actual["state"].keys() == expected["state"].keys()
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(actual["state"][index][key], value, atol=1e-6, rtol=1e-4)
+
+
+def test_consolidated_state_is_the_unsharded_optimizer_state(runs):
+    assert_optimizer_states_equal(runs[0]["p2p"]["consolidated"], runs[0]["p2p"]["reference_optimizer"])
+    assert "consolidated" not in runs[1]["p2p"], "only the rank named by `to` holds the consolidated state"
+
+
+def test_loading_a_single_process_state_on_two_ranks_continues_its_trajectory(runs):
+    for rank in range(2):
+        assert_state_close(runs[rank]["resumed_from_single_process"]["final"],
+                           runs[0]["resumed_from_single_process"]["reference"])
+
+
+@pytest.fixture
+def single_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+def test_consolidated_state_from_two_ranks_loads_on_one(runs, single_rank_group):
+    model = ToyNet()
+    model.load_state_dict(runs[0]["p2p"]["final"])
+    optimizer = make_optimizer(model, "p2p")
+    optimizer.load_state_dict(runs[0]["p2p"]["consolidated"])
+    optimizer.consolidate_state_dict(to=0)
+    assert_optimizer_states_equal(optimizer.state_dict(), runs[0]["p2p"]["reference_optimizer"])
+
+
+def test_state_dict_without_consolidation_names_the_fix(single_rank_group):
+    optimizer = make_optimizer(ToyNet(), "p2p")
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        optimizer.state_dict()
+
+
+def test_without_a_process_group_the_error_says_how_to_start_one():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        make_optimizer(ToyNet(), "p2p")
