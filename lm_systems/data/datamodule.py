@@ -1,0 +1,229 @@
+"""LMDataModule: corpus → byte-level BPE → cached token memmaps → batches of (B, context_length + 1) windows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from tokenizers import Tokenizer
+from torch.utils.data import DataLoader
+
+from lm_systems.data.cache_files import cache_lock, fingerprint
+from lm_systems.data.corpus import CorpusSource, iter_texts, load_corpus, resolve_corpus
+from lm_systems.data.token_cache import SPLITS, TokenSplits, build_token_cache, open_token_cache, token_cache_entry
+from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
+from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
+
+TOKENIZER_TRAINING_CHARS = 200_000_000
+"""BPE is trained on at most this much of the training text (TinyStories' first ~10%): merges settle long before."""
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """What preparation produced: the tokenizer and the complete token cache entry."""
+
+    tokenizer: Tokenizer
+    tokens: TokenSplits
+
+
+class LMDataModule(L.LightningDataModule):
+    """Random token windows from a tokenised corpus, sharded across ranks and resumable mid-stream.
+
+    Args:
+        corpus: ``generated`` (embedded stories, made locally), a ``.txt`` / ``.jsonl`` / ``.json`` /
+            ``.parquet`` file, a folder written by ``Dataset.save_to_disk``, or a Hugging Face Hub
+            name such as ``roneneldan/TinyStories`` (needs the network once).
+        tokenizer: path to a ``tokenizer.json``; None trains a byte-level BPE on the corpus and caches it.
+        vocab_size: BPE target size when training a tokenizer (a small corpus stops below it).
+        context_length: tokens the model sees per window; batches hold ``context_length + 1`` tokens
+            (inputs and next-token targets).
+        batch_size: windows per batch on each rank.
+        val_fraction: share of the token stream held out for validation when the corpus has no
+            validation split of its own.
+        val_batches: size of the validation set in batches of ``batch_size``, shared across ranks: the
+            same windows are evaluated on any number of devices.
+        num_workers: DataLoader worker processes per rank (0 draws batches in the training process).
+        num_proc: processes for tokenising; None uses one, whose Rust encoder already uses every core.
+        cache_dir: where corpora, tokenizers and token memmaps are cached.
+        seed: seeds the training windows (with rank and batch index) and the generated stories.
+        text_column: column holding the text in .jsonl / .parquet / saved / hub corpora.
+        generated_stories: number of stories in the ``generated`` corpus.
+    """
+
+    def __init__(
+        self,
+        corpus: str = "generated",
+        tokenizer: Optional[str] = None,
+        vocab_size: int = 10_000,
+        context_length: int = 128,
+        batch_size: int = 16,
+        val_fraction: float = 0.05,
+        val_batches: int = 32,
+        num_workers: int = 0,
+        num_proc: Optional[int] = None,
+        cache_dir: str = "data_cache",
+        seed: int = 1234,
+        text_column: str = "text",
+        generated_stories: int = 20_000,
+    ) -> None:
+        super().__init__()
+        for name, value in (("context_length", context_length), ("batch_size", batch_size), ("val_batches", val_batches)):
+            if value <= 0:
+                raise ValueError(f"--data.{name} must be positive, got {value}")
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"--data.val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+        if num_workers < 0 or (num_proc is not None and num_proc <= 0):
+            raise ValueError(f"--data.num_workers must be >= 0 and --data.num_proc > 0 or unset, got {num_workers}, {num_proc}")
+        self.corpus = corpus
+        self.tokenizer_path = tokenizer
+        self.target_vocab_size = vocab_size
+        self.context_length = context_length
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.val_batches = val_batches
+        self.num_workers = num_workers
+        self.num_proc = num_proc
+        self.cache_dir = Path(cache_dir)
+        self.seed = seed
+        self.text_column = text_column
+        self.generated_stories = generated_stories
+        # Checked now so a typo fails before any model is built; nothing is read yet.
+        self._source: CorpusSource = resolve_corpus(corpus, self.cache_dir, generated_stories, seed)
+        self._prepared: PreparedData | None = None
+        self._train_start_batch = 0
+
+    # -- what the model side reads ---------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._prepare().tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's actual vocabulary (prepares the data on first use)."""
+        return self._prepare().tokenizer.get_vocab_size()
+
+    @property
+    def eot_id(self) -> int:
+        return self._prepare().tokenizer.token_to_id(END_OF_TEXT)
+
+    @property
+    def token_splits(self) -> TokenSplits:
+        """The token cache entry: ``.tokens("train")`` / ``.tokens("validation")`` memmaps, ``.meta``, ``.directory``."""
+        return self._prepare().tokens
+
+    # -- Lightning hooks -------------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        self._prepare()
+
+    def setup(self, stage: str) -> None:
+        tokens = self._prepare().tokens
+        rank, world_size = self._rank_and_world_size()
+        for split in SPLITS:
+            available = tokens.meta["tokens"][split]
+            needed = self.context_length + 1 if split == "train" else world_size * self.context_length + 1
+            if available < needed:
+                raise ValueError(
+                    f"the {split} split of --data.corpus {self.corpus!r} has {available} tokens, too few for "
+                    f"{'a window' if split == 'train' else f'one window per rank ({world_size} ranks)'} of "
+                    f"--data.context_length {self.context_length} + 1: lower --data.context_length"
+                    + (", raise --data.val_fraction" if split == "validation" else "")
+                    + " or use a larger corpus"
+                )
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world_size = self._rank_and_world_size()
+        stream = TrainWindowStream(
+            self._prepare().tokens.path("train"),
+            self.context_length,
+            self.batch_size,
+            self.seed,
+            rank,
+            world_size,
+            start_batch=self._train_start_batch,
+        )
+        return self._loader(stream)
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world_size = self._rank_and_world_size()
+        tokens = self._prepare().tokens
+        starts = validation_window_starts(
+            tokens.meta["tokens"]["validation"], self.context_length, self.val_batches * self.batch_size, world_size
+        )
+        return self._loader(ValidationWindows(tokens.path("validation"), starts, self.context_length, self.batch_size, rank, world_size))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position: training batches this rank has consumed (all ranks consume the same count).
+
+        Counted from the fit loop's progress, not by the dataset: with DataLoader workers and Lightning's
+        prefetching, batches are produced ahead of being trained on. ``processed`` includes the batch
+        whose ``on_train_batch_end`` is saving the checkpoint, which resuming does not repeat.
+        """
+        if self.trainer is None:
+            return {}
+        return {"train_batches_consumed": self.trainer.fit_loop.epoch_loop.batch_progress.total.processed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning restores this before it calls ``train_dataloader()``, which then starts the stream here."""
+        self._train_start_batch = int(state_dict.get("train_batches_consumed", 0))
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _loader(self, dataset: torch.utils.data.IterableDataset) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=None,  # the datasets yield whole batches
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def _prepare(self) -> PreparedData:
+        """Load or build the tokenizer and the token cache, once per process.
+
+        The lock makes concurrent processes (ranks that read ``vocab_size`` before ``prepare_data`` ran
+        on rank 0, or two runs sharing a cache) build each entry once; the others then load it.
+        """
+        if self._prepared is not None:
+            return self._prepared
+        with cache_lock(self.cache_dir):
+            corpus = None
+            if self.tokenizer_path is not None:
+                tokenizer = load_tokenizer(self.tokenizer_path)
+            else:
+                tokenizer_file = self.cache_dir / "tokenizers" / self._tokenizer_key() / "tokenizer.json"
+                if tokenizer_file.is_file():
+                    tokenizer = load_tokenizer(tokenizer_file)
+                else:
+                    corpus = load_corpus(self._source, self.cache_dir, self.text_column)
+                    rank_zero_info(f"training a byte-level BPE tokenizer (target {self.target_vocab_size} tokens) on {self.corpus!r}")
+                    tokenizer = train_bpe_tokenizer(iter_texts(corpus["train"], TOKENIZER_TRAINING_CHARS), self.target_vocab_size)
+                    save_tokenizer(tokenizer, tokenizer_file)
+            entry = token_cache_entry(self.cache_dir, self._source, tokenizer, self.text_column, self.val_fraction)
+            tokens = open_token_cache(entry)
+            if tokens is None:
+                corpus = corpus if corpus is not None else load_corpus(self._source, self.cache_dir, self.text_column)
+                tokens = build_token_cache(entry, corpus, self._source, tokenizer, self.val_fraction, self.num_proc)
+                rank_zero_info(
+                    f"tokenized {self.corpus!r}: {tokens.meta['tokens']} tokens, vocab {tokens.meta['vocab_size']}, "
+                    f"in {tokens.meta['seconds']} s → {entry}"
+                )
+        self._prepared = PreparedData(tokenizer, tokens)
+        return self._prepared
+
+    def _tokenizer_key(self) -> str:
+        return fingerprint({
+            "corpus": self._source.identity,
+            "text_column": self.text_column,
+            "vocab_size": self.target_vocab_size,
+            "training_chars": TOKENIZER_TRAINING_CHARS,
+        })

@@ -1,0 +1,173 @@
+"""Token memmaps: a corpus tokenised once into ``train.npy`` / ``validation.npy``, cached under a content key.
+
+The entry's folder is named by a hash of (corpus identity, tokenizer fingerprint, text column,
+validation fraction), so a different corpus or tokenizer gets a new entry and an unchanged one is
+reused. ``meta.json`` is written last and atomically: an entry without it (a crash mid-way) is
+rebuilt, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow.compute as pc
+from datasets import Dataset, DatasetDict, Features, Sequence, Value
+from tokenizers import Tokenizer
+
+from lm_systems.data.cache_files import atomic_write_path, fingerprint, write_json_atomic
+from lm_systems.data.corpus import CorpusSource
+from lm_systems.data.tokenizer import END_OF_TEXT, tokenizer_fingerprint
+
+META_FILE = "meta.json"
+SPLITS = ("train", "validation")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type that holds every id: uint16 up to 65,536 tokens, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
+
+
+@dataclass(frozen=True)
+class TokenSplits:
+    """A complete cache entry: one ``.npy`` of token ids per split, and what ``meta.json`` recorded."""
+
+    directory: Path
+    meta: dict[str, Any]
+
+    def path(self, split: str) -> Path:
+        return self.directory / f"{split}.npy"
+
+    def tokens(self, split: str) -> np.ndarray:
+        """The split's ids as a read-only memmap (nothing is read until indexed)."""
+        return np.load(self.path(split), mmap_mode="r")
+
+
+def token_cache_entry(cache_dir: str | Path, source: CorpusSource, tokenizer: Tokenizer, text_column: str, val_fraction: float) -> Path:
+    key = fingerprint({
+        "corpus": source.identity,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "text_column": text_column,
+        "val_fraction": val_fraction,
+    })
+    return Path(cache_dir) / "tokens" / key
+
+
+def open_token_cache(directory: Path) -> TokenSplits | None:
+    """The entry in ``directory`` if it was completed (its meta.json exists), else None."""
+    meta_path = directory / META_FILE
+    if not meta_path.is_file():
+        return None
+    return TokenSplits(directory, json.loads(meta_path.read_text()))
+
+
+def build_token_cache(
+    directory: Path,
+    corpus: DatasetDict,
+    source: CorpusSource,
+    tokenizer: Tokenizer,
+    val_fraction: float,
+    num_proc: int | None,
+) -> TokenSplits:
+    """Tokenise every split of ``corpus`` into ``directory``; without a validation split, hold out its tail.
+
+    Documents are followed by ``<|endoftext|>``; a stream source (.txt lines) is concatenated as it is.
+    `datasets.map` runs the tokenizer in batches (``num_proc`` processes, None: one process whose Rust
+    encoder already uses every core) and shows a progress bar.
+    """
+    start = time.perf_counter()
+    eot_id = tokenizer.token_to_id(END_OF_TEXT)
+    dtype = token_dtype(tokenizer.get_vocab_size())
+    work = directory / f"work-{uuid.uuid4().hex[:8]}"  # datasets' map output; removed once the .npy files exist
+    try:
+        encoded = {
+            name: _encode(split, tokenizer, eot_id, source.is_stream, dtype, num_proc, work / f"{name}.arrow")
+            for name, split in corpus.items()
+        }
+        counts = {name: pc.sum(split.data.column("num_tokens")).as_py() or 0 for name, split in encoded.items()}
+        if not any(counts.values()):
+            raise ValueError(f"--data.corpus {source.spec!r} has no text: tokenising it gave no tokens")
+        # With a document per row, every row adds an <|endoftext|> id after its own tokens.
+        lengths = {name: counts[name] + (0 if source.is_stream else encoded[name].num_rows) for name in encoded}
+        if "validation" in encoded:
+            sizes = dict(lengths)
+            for name in SPLITS:
+                _write_splits(_token_chunks(encoded[name]), {name: sizes[name]}, directory, dtype)
+            held_out = "the corpus' own validation split"
+        else:
+            total = lengths["train"]
+            validation = max(1, math.ceil(total * val_fraction))
+            sizes = {"train": total - validation, "validation": validation}
+            _write_splits(_token_chunks(encoded["train"]), sizes, directory, dtype)
+            held_out = f"the last {val_fraction:.1%} of the token stream"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    meta = {
+        "corpus": source.spec,
+        "identity": source.identity,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "vocab_size": tokenizer.get_vocab_size(),
+        "eot_id": eot_id,
+        "dtype": dtype.name,
+        "tokens": sizes,
+        "rows": {name: split.num_rows for name, split in encoded.items()},
+        "validation": held_out,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    write_json_atomic(directory / META_FILE, meta)
+    return TokenSplits(directory, meta)
+
+
+def _encode(
+    split: Dataset, tokenizer: Tokenizer, eot_id: int, is_stream: bool, dtype: np.dtype, num_proc: int | None, cache_file: Path
+) -> Dataset:
+    suffix = [] if is_stream else [eot_id]
+
+    def encode_batch(batch: dict[str, list]) -> dict[str, list]:
+        encodings = tokenizer.encode_batch(batch["text"])
+        return {"ids": [e.ids + suffix for e in encodings], "num_tokens": [len(e.ids) for e in encodings]}
+
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    return split.map(
+        encode_batch,
+        batched=True,
+        batch_size=1000,
+        remove_columns=split.column_names,
+        features=Features({"ids": Sequence(Value(dtype.name)), "num_tokens": Value("int64")}),
+        num_proc=num_proc,
+        cache_file_name=str(cache_file),
+        new_fingerprint=cache_file.parent.name + cache_file.stem,  # skips hashing the tokenizer for datasets' cache
+        desc=f"tokenizing {cache_file.stem}",
+    )
+
+
+def _token_chunks(encoded: Dataset, batch_size: int = 10_000) -> Iterator[np.ndarray]:
+    """The ids of ``encoded`` in row order, as flat arrays of about ``batch_size`` rows each."""
+    for table in encoded.with_format("arrow").iter(batch_size=batch_size):
+        yield table.column("ids").combine_chunks().flatten().to_numpy()
+
+
+def _write_splits(chunks: Iterator[np.ndarray], sizes: dict[str, int], directory: Path, dtype: np.dtype) -> None:
+    """Fill one ``<split>.npy`` per entry of ``sizes``, in order, with consecutive tokens from ``chunks``."""
+    pending = np.empty(0, dtype)
+    for name, size in sizes.items():
+        if size <= 0:
+            raise ValueError(f"split {name!r} would hold no tokens: change --data.val_fraction")
+        with atomic_write_path(directory / f"{name}.npy") as tmp:
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(size,))
+            filled = 0
+            while filled < size:
+                if pending.size == 0:
+                    pending = next(chunks)
+                take = min(size - filled, pending.size)
+                out[filled : filled + take] = pending[:take]
+                pending, filled = pending[take:], filled + take
+            out.flush()
+            del out  # close the memmap before the rename

@@ -1,0 +1,103 @@
+"""The token cache: built once, reused, rebuilt when the corpus or tokenizer changes, never trusted half-written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lm_systems.data import datamodule as datamodule_module
+from lm_systems.data import token_cache
+from lm_systems.data.datamodule import LMDataModule
+from lm_systems.data.token_cache import token_dtype
+from lm_systems.data.tokenizer import END_OF_TEXT, save_tokenizer, train_bpe_tokenizer
+
+
+@pytest.fixture
+def build_calls(monkeypatch):
+    """Counts tokenizer trainings and token-cache builds done by LMDataModule."""
+    calls = {"tokenizer": 0, "tokens": 0}
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(datamodule_module, "train_bpe_tokenizer", counting("tokenizer", datamodule_module.train_bpe_tokenizer))
+    monkeypatch.setattr(datamodule_module, "build_token_cache", counting("tokens", datamodule_module.build_token_cache))
+    return calls
+
+
+def prepare(corpus, cache_dir, **kwargs) -> LMDataModule:
+    module = LMDataModule(corpus=str(corpus), cache_dir=str(cache_dir), vocab_size=300, **kwargs)
+    module.prepare_data()
+    return module
+
+
+def test_second_prepare_reuses_tokenizer_and_tokens(txt_corpus, tmp_path, build_calls):
+    first = prepare(txt_corpus, tmp_path / "cache")
+    train_file = first.token_splits.path("train")
+    mtime = train_file.stat().st_mtime_ns
+    assert build_calls == {"tokenizer": 1, "tokens": 1}
+
+    second = prepare(txt_corpus, tmp_path / "cache")
+    assert build_calls == {"tokenizer": 1, "tokens": 1}, "a rerun must not retrain or re-tokenize"
+    assert train_file.stat().st_mtime_ns == mtime
+    assert second.vocab_size == first.vocab_size
+    np.testing.assert_array_equal(second.token_splits.tokens("train"), first.token_splits.tokens("train"))
+
+
+def test_changed_corpus_is_tokenized_again(txt_corpus, tmp_path, build_calls):
+    first = prepare(txt_corpus, tmp_path / "cache").token_splits.tokens("train")
+    with open(txt_corpus, "a", encoding="utf-8") as file:
+        file.write(f"A brand new story about a zebra.\n{END_OF_TEXT}")
+    second = prepare(txt_corpus, tmp_path / "cache").token_splits.tokens("train")
+    assert build_calls == {"tokenizer": 2, "tokens": 2}
+    assert len(second) > len(first)
+
+
+def test_changed_tokenizer_is_a_new_entry(txt_corpus, tmp_path, documents, build_calls):
+    paths = []
+    for vocab_size in (290, 310):
+        tokenizer_file = save_tokenizer(train_bpe_tokenizer(documents, vocab_size), tmp_path / f"tok{vocab_size}.json")
+        module = prepare(txt_corpus, tmp_path / "cache", tokenizer=str(tokenizer_file))
+        assert module.vocab_size == vocab_size
+        paths.append(module.token_splits.directory)
+    assert build_calls["tokens"] == 2 and paths[0] != paths[1]
+
+
+def test_entry_without_meta_is_rebuilt(txt_corpus, tmp_path, build_calls):
+    module = prepare(txt_corpus, tmp_path / "cache")
+    expected = np.array(module.token_splits.tokens("validation"))
+    (module.token_splits.directory / token_cache.META_FILE).unlink()
+    rebuilt = prepare(txt_corpus, tmp_path / "cache")
+    assert build_calls["tokens"] == 2
+    np.testing.assert_array_equal(rebuilt.token_splits.tokens("validation"), expected)
+
+
+def test_crash_before_meta_leaves_nothing_trusted(txt_corpus, tmp_path, monkeypatch):
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(token_cache, "write_json_atomic", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(txt_corpus, tmp_path / "cache")
+    entries = list((tmp_path / "cache" / "tokens").iterdir())
+    assert len(entries) == 1
+    assert sorted(p.name for p in entries[0].iterdir()) == ["train.npy", "validation.npy"], "work files must be removed"
+    assert token_cache.open_token_cache(entries[0]) is None
+
+
+def test_generated_corpus_is_cached_by_its_parameters(tmp_path, build_calls):
+    a = prepare("generated", tmp_path / "cache", generated_stories=40, seed=1)
+    prepare("generated", tmp_path / "cache", generated_stories=40, seed=1)
+    b = prepare("generated", tmp_path / "cache", generated_stories=40, seed=2)
+    assert build_calls == {"tokenizer": 2, "tokens": 2}
+    assert len(list((tmp_path / "cache" / "corpora").iterdir())) == 2
+    assert a.token_splits.tokens("train").tolist() != b.token_splits.tokens("train").tolist()
+
+
+def test_token_dtype_fits_every_id():
+    assert token_dtype(300) == np.uint16
+    assert token_dtype(65_536) == np.uint16  # ids 0 .. 65,535
+    assert token_dtype(65_537) == np.uint32
