@@ -1,0 +1,98 @@
+"""The training command line: LightningCLI over LitLM and LMDataModule, with `fit` as the default subcommand."""
+
+from __future__ import annotations
+
+import sys
+import zipfile
+from pathlib import Path
+from typing import Optional, Union
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lm_systems.checkpointing import IntervalCheckpoint
+from lm_systems.config import MODEL_SIZES
+from lm_systems.data.datamodule import LMDataModule
+from lm_systems.lit_module import LitLM
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+SHORT_FLAGS: dict[str, tuple[type, str]] = {
+    "strategy": (Optional[str], "ddp, naive_ddp, overlap_ddp, bucketed_ddp, zero1 (each also *_spawn), auto, …"),
+    "precision": (Optional[str], "32-true, bf16-mixed, 16-mixed, bf16-true, …"),
+    "accelerator": (Optional[str], "cpu, gpu, auto"),
+    "devices": (Optional[Union[int, str]], "processes per node: a count, 'auto', or a list such as '0,1'"),
+    "num_nodes": (Optional[int], "number of machines"),
+    "max_steps": (Optional[int], "optimizer steps to train for"),
+    "accumulate_grad_batches": (Optional[int], "micro-batches per optimizer step"),
+}
+"""``--strategy X`` is short for ``--trainer.strategy X``; the short form wins when both are given."""
+
+TRAINER_DEFAULTS = {
+    "max_steps": 400,
+    "val_check_interval": 50,
+    "check_val_every_n_epoch": None,  # the training stream is endless: validate by steps
+    "log_every_n_steps": 10,
+    "gradient_clip_val": 1.0,
+    "devices": 1,
+    "enable_checkpointing": False,  # IntervalCheckpoint does it, per --checkpointing_interval
+    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "logs", "name": "lm_systems", "default_hp_metric": False}},
+}
+
+
+def _data_context_length(size: str, context_length: Optional[int]) -> int:
+    if context_length is not None:
+        return context_length
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r} (set --model.size to one of: {', '.join(MODEL_SIZES)})")
+    return MODEL_SIZES[size].context_length
+
+
+class LMCLI(LightningCLI):
+    """LightningCLI with short trainer flags, a checkpointing interval and checked checkpoint paths."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        group = parser.add_argument_group("Short forms of common --trainer.* flags")
+        for name, (kind, help_text) in SHORT_FLAGS.items():
+            group.add_argument(f"--{name}", type=kind, default=None, help=f"{help_text} (--trainer.{name})")
+        parser.add_argument(
+            "--checkpointing_interval", type=int, default=0,
+            help="> 0: save a checkpoint every N optimizer steps; <= 0: only at the end. The final step is always saved.",
+        )
+        # The data windows are as long as the model's context.
+        parser.link_arguments(("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        for name in SHORT_FLAGS:
+            if config.get(name) is not None:
+                config.trainer[name] = config[name]
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path not in (None, "last", "best", "hpc", "registry"):
+            path = Path(ckpt_path)
+            if not path.is_file():
+                raise FileNotFoundError(f"--ckpt_path {ckpt_path!r} does not exist")
+            if not zipfile.is_zipfile(path):
+                raise ValueError(f"--ckpt_path {ckpt_path!r} is not a readable PyTorch checkpoint")
+
+    def instantiate_trainer(self, **kwargs):
+        interval = self._get(self.config, "checkpointing_interval", default=0)
+        extra = kwargs.pop("callbacks", None) or []
+        return super().instantiate_trainer(callbacks=[*extra, IntervalCheckpoint(interval)], **kwargs)
+
+
+def main(args: Optional[list[str]] = None) -> LMCLI:
+    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run."""
+    given = sys.argv[1:] if args is None else args
+    if not given or given[0] not in SUBCOMMANDS:
+        if args is None:
+            sys.argv.insert(1, "fit")  # LightningCLI reads sys.argv itself when given no args
+        else:
+            args = ["fit", *args]
+    return LMCLI(
+        LitLM,
+        LMDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=1234,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )

@@ -1,0 +1,90 @@
+"""LitLM end to end on the embedded corpus: learning, resuming exactly, checkpoint contents, bad input."""
+
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+
+from lm_systems.checkpointing import IntervalCheckpoint
+from lm_systems.data.datamodule import LMDataModule
+from lm_systems.generate import load_checkpoint, sample_text
+from lm_systems.lit_module import LitLM
+
+SMALL_MODEL = dict(size="tiny", d_model=64, num_layers=2, num_heads=2, d_ff=192, context_length=32, warmup_steps=5, sample_prompt="")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def datamodule(cache_dir: Path, **overrides) -> LMDataModule:
+    kwargs = dict(cache_dir=str(cache_dir), generated_stories=2000, vocab_size=512, context_length=32, batch_size=8, val_batches=4)
+    return LMDataModule(**{**kwargs, **overrides})
+
+
+def trainer(tmp_path: Path, max_steps: int, interval: int = 0, **kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, val_check_interval=max_steps,
+        check_val_every_n_epoch=None, gradient_clip_val=1.0,
+        callbacks=[IntervalCheckpoint(interval, dirpath=str(tmp_path / "ckpt"))],
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def test_training_on_the_embedded_corpus_lowers_validation_loss(cache_dir, tmp_path):
+    L.seed_everything(0)
+    model, data = LitLM(**SMALL_MODEL, lr=1e-2), datamodule(cache_dir)
+    t = trainer(tmp_path, max_steps=80, num_sanity_val_steps=0)
+    before = t.validate(model, datamodule=data, verbose=False)[0]["val/loss"]
+    t.fit(model, datamodule=data)
+    after = t.callback_metrics["val/loss"].item()
+    assert after < 0.8 * before, (before, after)
+    assert model.hparams.vocab_size == data.vocab_size  # resolved from the tokenizer and recorded
+
+
+def test_resume_continues_at_the_same_step_learning_rate_and_data_position(cache_dir, tmp_path):
+    def run(steps: int, ckpt_path=None, interval=0):
+        L.seed_everything(0)
+        model, data = LitLM(**SMALL_MODEL), datamodule(cache_dir)
+        t = trainer(tmp_path, max_steps=steps, interval=interval, num_sanity_val_steps=0, limit_val_batches=0)
+        t.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        return t, model
+
+    full_trainer, full = run(12, interval=6)
+    halfway = tmp_path / "ckpt" / "step=6.ckpt"
+    assert halfway.is_file() and (tmp_path / "ckpt" / "step=12.ckpt").is_file()
+    resumed_trainer, resumed = run(12, ckpt_path=str(halfway))
+    assert resumed_trainer.global_step == 12
+    assert resumed_trainer.optimizers[0].param_groups[0]["lr"] == full_trainer.optimizers[0].param_groups[0]["lr"]
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_checkpoints_carry_the_model_config_and_tokenizer_for_generation(cache_dir, tmp_path):
+    data = datamodule(cache_dir)
+    t = trainer(tmp_path, max_steps=2, limit_val_batches=0)
+    t.fit(LitLM(**SMALL_MODEL), datamodule=data)
+    model, tokenizer = load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert model.config.vocab_size == data.vocab_size and model.config.d_model == 64
+    assert sample_text(model, tokenizer, "Once upon a time", max_new_tokens=5, temperature=0).startswith("Once upon a time")
+    restored = LitLM.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert restored.model is not None and restored.model.config == model.config
+
+
+def test_model_vocab_smaller_than_the_tokenizer_names_the_flag(cache_dir, tmp_path):
+    with pytest.raises(ValueError, match="--model.vocab_size"):
+        trainer(tmp_path, max_steps=1).fit(LitLM(**{**SMALL_MODEL, "vocab_size": 100}), datamodule=datamodule(cache_dir))
+
+
+def test_data_windows_longer_than_the_model_context_name_the_flag(cache_dir, tmp_path):
+    with pytest.raises(ValueError, match="--model.context_length"):
+        trainer(tmp_path, max_steps=1).fit(LitLM(**SMALL_MODEL), datamodule=datamodule(cache_dir, context_length=64))
+
+
+@pytest.mark.parametrize("kwargs, key", [({"size": "huge"}, "--model.size"), ({"attention": "flash9"}, "--model.attention"), ({"lr": 0}, "model.lr")])
+def test_bad_model_arguments_fail_at_construction(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        LitLM(**{**SMALL_MODEL, **kwargs})
