@@ -19,6 +19,7 @@ import gc
 import multiprocessing
 import statistics
 import time
+import traceback
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -168,12 +169,15 @@ def _row(case: Case, model: TransformerLM | None, result: dict, device: torch.de
     }
 
 
-def _measure_or_oom(model, case: Case, device: torch.device, snapshot_dir: Path | None) -> dict:
+def _measure_recording_failures(model, case: Case, device: torch.device, snapshot_dir: Path | None) -> dict:
     try:
         result = measure(model, case, device, snapshot_dir)
     except torch.cuda.OutOfMemoryError:
         result = {"status": "OOM"}
-    # Outside the except block, so the traceback's frames (and the tensors they hold) are gone.
+    except Exception as error:  # one broken configuration (say, a kernel's compile error) must not end the sweep
+        traceback.print_exc()
+        result = {"status": f"error: {type(error).__name__}"}
+    # Outside the except blocks, so the traceback's frames (and the tensors they hold) are gone.
     _free_memory(device)
     return result
 
@@ -188,7 +192,7 @@ def run_in_fresh_process(case: Case, device_name: str, nvtx: bool, snapshot_dir:
         return _row(case, None, {"status": "OOM"}, device)
     if case.compile:
         model = torch.compile(model)
-    return _row(case, model, _measure_or_oom(model, case, device, snapshot_dir), device)
+    return _row(case, model, _measure_recording_failures(model, case, device, snapshot_dir), device)
 
 
 def run_cases(cases: list[Case], device: torch.device, isolate: bool, nvtx: bool, snapshot_dir: Path | None) -> list[dict]:
@@ -217,7 +221,7 @@ def run_cases(cases: list[Case], device: torch.device, isolate: bool, nvtx: bool
                 _free_memory(device)
             if model is not None and case.compile:
                 model = torch.compile(model)
-        result = _measure_or_oom(model, case, device, snapshot_dir) if model is not None else {"status": "OOM"}
+        result = _measure_recording_failures(model, case, device, snapshot_dir) if model is not None else {"status": "OOM"}
         rows.append(_row(case, model, result, device))
         _print_row(rows[-1])
     return rows

@@ -57,18 +57,22 @@ def test_mfu_uses_the_shared_peak_table(monkeypatch):
         assert row["mfu"] == pytest.approx(flops / (row["mean_ms"] / 1e3) / peak)
 
 
-def test_out_of_memory_is_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "failure, status",
+    [(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)"), "OOM"), (RuntimeError("boom"), "error: RuntimeError")],
+)
+def test_a_failing_case_is_a_row_and_the_sweep_goes_on(failure, status, tmp_path, monkeypatch):
     real_measure = bench.measure
 
-    def measure_that_runs_out(model, case, device, snapshot_dir=None):
-        if case.mode == "forward_backward":
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+    def measure_that_fails(model, case, device, snapshot_dir=None):
+        if case.mode == "forward":
+            raise failure
         return real_measure(model, case, device, snapshot_dir)
 
-    monkeypatch.setattr(bench, "measure", measure_that_runs_out)
+    monkeypatch.setattr(bench, "measure", measure_that_fails)
     rows = bench.main([*FAST, "--device", "cpu", "--precisions", "fp32", "--out-dir", str(tmp_path)])
-    assert [r["status"] for r in rows] == ["ok", "OOM"]
-    assert "OOM" in (tmp_path / "model_benchmark.md").read_text()
+    assert [r["status"] for r in rows] == [status, "ok"]
+    assert status in (tmp_path / "model_benchmark.md").read_text()
 
 
 def test_isolated_cases_run_in_fresh_processes(tmp_path):
