@@ -52,12 +52,13 @@ def fit(
     max_steps: int,
     logger: str = "tensorboard",
     val_batches: int = 0,
+    accelerator: str = "cpu",
     **trainer_kwargs,
 ) -> L.Trainer:
-    """Train ``module`` on CPU for ``max_steps`` optimizer steps; logs go under ``tmp_path``."""
+    """Train ``module`` for ``max_steps`` optimizer steps on one ``accelerator``; logs go under ``tmp_path``."""
     loggers = {"tensorboard": TensorBoardLogger(tmp_path, name="run"), "csv": CSVLogger(tmp_path, name="run")}
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         max_steps=max_steps,
         callbacks=callbacks,
