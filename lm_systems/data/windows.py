@@ -100,12 +100,15 @@ class ValidationWindows(IterableDataset):
         self.window = context_length + 1
         self.batch_size = batch_size
 
-    def __len__(self) -> int:
+    # No __len__: Lightning warns about any iterable dataset that has one, even though this one shards
+    # its batches across workers correctly.
+    @property
+    def num_batches(self) -> int:
         return math.ceil(len(self.starts) / self.batch_size)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         tokens = np.load(self.tokens_path, mmap_mode="r")
         worker, num_workers = _worker_shard()
-        for batch_index in range(worker, len(self), num_workers):
+        for batch_index in range(worker, self.num_batches, num_workers):
             starts = self.starts[batch_index * self.batch_size : (batch_index + 1) * self.batch_size]
             yield gather_windows(tokens, starts, self.window)
