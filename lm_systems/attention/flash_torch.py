@@ -95,8 +95,10 @@ def flash_forward_torch(
 
     out = acc / torch.where(l == 0, 1.0, l)[..., None]
     lse = m + torch.log(l)  # -inf for rows that see no key
-    out = out.reshape(out.shape[0], -1, d)[:, :n_q].reshape(*lead, n_q, d).to(q.dtype)
-    lse = lse.reshape(lse.shape[0], -1)[:, :n_q].reshape(*lead, n_q)
+    # Fresh tensors rather than views of the padded tiles: torch 2.11 compiled a Function whose
+    # output aliased an intermediate into zero gradients (pytorch/pytorch#180642 is that family).
+    out = out.reshape(out.shape[0], -1, d)[:, :n_q].reshape(*lead, n_q, d).to(q.dtype, copy=True)
+    lse = lse.reshape(lse.shape[0], -1)[:, :n_q].reshape(*lead, n_q).clone()
     return out, lse
 
 
@@ -142,8 +144,8 @@ def flash_backward_torch(
     return dq, dk, dv
 
 
-class FlashAttention2Torch(torch.autograd.Function):
-    """FlashAttention-2 as an autograd Function in plain PyTorch; saves only L beside q, k, v, O."""
+class _FlashAttention2TorchFunction(torch.autograd.Function):
+    """The autograd Function: tiled forward, recomputing backward, saving only L beside q, k, v, O."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
@@ -157,6 +159,17 @@ class FlashAttention2Torch(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = flash_backward_torch(q, k, v, out, lse, grad_out, ctx.is_causal)
         return dq, dk, dv, None
+
+
+class FlashAttention2Torch(_FlashAttention2TorchFunction):
+    """FlashAttention-2 in plain PyTorch: ``FlashAttention2Torch.apply(q, k, v, is_causal)``."""
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        # A plain function around the inherited apply: torch.compile(FlashAttention2Torch.apply) then
+        # compiles a frame that calls an autograd Function, the pattern Dynamo traces (compiling the
+        # inherited classmethod itself failed for the Triton twin on torch 2.11).
+        return _FlashAttention2TorchFunction.apply(q, k, v, is_causal)
 
 
 @register_attention("flash_torch")

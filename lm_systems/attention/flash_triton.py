@@ -69,25 +69,85 @@ def _kernel_dims(d: int, n_q: int, n_k: int) -> dict:
     }
 
 
-def flash_forward_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """O shaped like q and the logsumexp L shaped ``q.shape[:-1]`` (float32)."""
-    check_triton_inputs(q, k, v)
+# The launches are custom ops: torch.compile then treats each as one opaque call with a shape-only
+# fake, instead of tracing the Triton autotuner and its prune function (which torch 2.11 cannot).
+
+
+@torch.library.custom_op("lm_systems::flash_attention_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     q4, k4, v4 = _as_bhnd(q), _as_bhnd(k), _as_bhnd(v)
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
-    out = torch.empty((batch, heads, n_q, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # indexed as (B·H, N_q)
+    out4 = _as_bhnd(out)
 
     def grid(meta):
         return triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads
 
     attn_fwd[grid](
-        q4, k4, v4, out, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out),
+        q4, k4, v4, out4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4),
         heads, n_q, n_k, 1.0 / math.sqrt(d), CAUSAL=is_causal, **_kernel_dims(d, n_q, n_k),
     )
-    return out.view(q.shape), lse.view(q.shape[:-1])
+    return out, lse
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, is_causal):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("lm_systems::flash_attention_backward", mutates_args=())
+def _backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    grad_out: torch.Tensor, is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q4, k4, v4, o4, do4 = _as_bhnd(q), _as_bhnd(k), _as_bhnd(v), _as_bhnd(out), _as_bhnd(grad_out)
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    dims = _kernel_dims(d, n_q, n_k)
+    sm_scale = 1.0 / math.sqrt(d)
+
+    delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
+    attn_bwd_preprocess_kernel[(triton.cdiv(n_q, PREPROCESS_BLOCK), batch * heads)](
+        o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
+        HEAD_DIM=d, HEAD_DIM_PAD=dims["HEAD_DIM_PAD"], BLOCK_M=PREPROCESS_BLOCK,
+    )
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    dq4, dk4, dv4 = _as_bhnd(dq), _as_bhnd(dk), _as_bhnd(dv)
+
+    def dkdv_grid(meta):
+        return triton.cdiv(n_k, meta["BLOCK_N"]), batch * heads
+
+    def dq_grid(meta):
+        return triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads
+
+    attn_bwd_dkdv[dkdv_grid](
+        q4, k4, v4, do4, lse, delta, dk4, dv4,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk4), *_strides(dv4),
+        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
+    )
+    attn_bwd_dq[dq_grid](
+        q4, k4, v4, do4, lse, delta, dq4,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq4),
+        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
+    )
+    return dq, dk, dv
+
+
+@_backward_op.register_fake
+def _backward_fake(q, k, v, out, lse, grad_out, is_causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def flash_forward_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O shaped like q and the logsumexp L shaped ``q.shape[:-1]`` (float32)."""
+    check_triton_inputs(q, k, v)
+    return _forward_op(q, k, v, is_causal)
 
 
 def flash_backward_triton(
@@ -100,44 +160,11 @@ def flash_backward_triton(
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV: the D preprocess, then the dK/dV pass and the dQ pass."""
-    q4, k4, v4, o4 = _as_bhnd(q), _as_bhnd(k), _as_bhnd(v), _as_bhnd(out)
-    do4 = _as_bhnd(grad_out.to(q.dtype))
-    batch, heads, n_q, d = q4.shape
-    n_k = k4.shape[2]
-    dims = _kernel_dims(d, n_q, n_k)
-    sm_scale = 1.0 / math.sqrt(d)
-
-    delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
-    attn_bwd_preprocess_kernel[(triton.cdiv(n_q, PREPROCESS_BLOCK), batch * heads)](
-        o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
-        HEAD_DIM=d, HEAD_DIM_PAD=dims["HEAD_DIM_PAD"], BLOCK_M=PREPROCESS_BLOCK,
-    )
-
-    dq = torch.empty((batch, heads, n_q, d), dtype=q.dtype, device=q.device)
-    dk = torch.empty((batch, heads, n_k, d), dtype=k.dtype, device=q.device)
-    dv = torch.empty((batch, heads, n_k, d), dtype=v.dtype, device=q.device)
-
-    def dkdv_grid(meta):
-        return triton.cdiv(n_k, meta["BLOCK_N"]), batch * heads
-
-    def dq_grid(meta):
-        return triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads
-
-    attn_bwd_dkdv[dkdv_grid](
-        q4, k4, v4, do4, lse, delta, dk, dv,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk), *_strides(dv),
-        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
-    )
-    attn_bwd_dq[dq_grid](
-        q4, k4, v4, do4, lse, delta, dq,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq),
-        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
-    )
-    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    return _backward_op(q, k, v, out, lse, grad_out.to(q.dtype), is_causal)
 
 
-class FlashAttention2Triton(torch.autograd.Function):
-    """FlashAttention-2 with Triton kernels for forward and backward; saves only L beside q, k, v, O."""
+class _FlashAttention2TritonFunction(torch.autograd.Function):
+    """The autograd Function: Triton forward, Triton backward, saving only L beside q, k, v, O."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
@@ -154,6 +181,17 @@ class FlashAttention2Triton(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = flash_backward_triton(q, k, v, out, lse, grad_out, ctx.is_causal)
         return dq, dk, dv, None
+
+
+class FlashAttention2Triton(_FlashAttention2TritonFunction):
+    """FlashAttention-2 with Triton kernels for forward and backward: ``FlashAttention2Triton.apply(q, k, v, is_causal)``."""
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        # A plain function around the inherited apply, so that torch.compile(FlashAttention2Triton.apply)
+        # compiles a frame that calls an autograd Function, which Dynamo traces; compiling the inherited
+        # classmethod itself failed on torch 2.11 ("Can't construct an AttrSource without a valid base source").
+        return _FlashAttention2TritonFunction.apply(q, k, v, is_causal)
 
 
 @register_attention("flash_triton")

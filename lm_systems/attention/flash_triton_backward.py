@@ -21,7 +21,7 @@ from lm_systems.attention.flash_triton_forward import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "n_q"])
 def attn_bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
                                num_heads, n_q,
                                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -77,7 +77,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, 
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "n_q", "n_k", "N_Q_KEY", "N_K_KEY"])
 def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                          stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                          stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
@@ -165,7 +165,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "n_q", "n_k", "N_Q_KEY", "N_K_KEY"])
 def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                        stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
@@ -174,7 +174,9 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head); walks every key tile they see."""
-    start_m = tl.program_id(0) * BLOCK_M
+    # Last query tiles first: under a causal mask they have the most keys to visit, and starting the
+    # longest programs first leaves short ones, not long ones, for the tail of the launch.
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)

@@ -9,7 +9,8 @@ Causal masking (queries end-aligned, query i sees keys j <= i + N_k - N_q) visit
 stages: tiles every row of the program sees, with no mask at all, then the few tiles along the
 diagonal (and the ragged end of the sequence) with one. Fully masked tiles are never visited.
 Kernels take their tile sizes as constexprs; ``flash_triton_autotune`` picks them. The backward
-kernels live in ``flash_triton_backward``.
+kernels live in ``flash_triton_backward``. Sequence lengths and the head count are not specialised
+on (``do_not_specialize``): one binary serves every length, instead of one per divisibility class.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "n_q", "n_k", "N_Q_KEY", "N_K_KEY"])
 def attn_fwd_kernel(Q, K, V, O, LSE,
                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
@@ -108,7 +109,9 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head); writes O and L for them."""
-    start_m = tl.program_id(0) * BLOCK_M
+    # Last query tiles first: under a causal mask they have the most keys to visit, and starting the
+    # longest programs first leaves short ones, not long ones, for the tail of the launch.
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)

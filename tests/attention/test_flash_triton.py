@@ -78,7 +78,8 @@ def test_logsumexp_is_saved_and_matches_reference():
     assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))  # 15 rows see no key
     assert torch.allclose(lse[~torch.isinf(lse)].double(), ref_lse[~torch.isinf(ref_lse)], atol=1e-5)
-    saved = FlashAttention2Triton.apply(q, k, v, True).grad_fn.saved_tensors
+    out = FlashAttention2Triton.apply(q, k, v, True)
+    saved = out.grad_fn.saved_tensors
     assert [t.shape for t in saved] == [q.shape, k.shape, v.shape, q.shape, q.shape[:-1]]
 
 
