@@ -1,0 +1,156 @@
+"""A tiny LightningModule, data and a recording callback for the strategy tests, at module level so that
+Lightning's spawn launcher can pickle them into its worker processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
+
+from lm_systems.parallel import ShardedOptimizer
+
+VOCAB, DIM, SEQ = 23, 11, 6
+MICRO_BATCH, ACCUMULATE, WORLD = 3, 2, 2
+STEPS_PER_EPOCH, EPOCHS = 2, 2
+COMMUNICATING = ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")
+
+
+def token_windows(seed: int, count: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (count, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+
+class TinyData(L.LightningDataModule):
+    """Rank r reads windows r, r + W, ...: with W ranks, one micro-batch step covers the same windows as one
+    single-process micro-batch W times larger (Lightning's own distributed sampler would shuffle)."""
+
+    def _loader(self, windows: torch.Tensor) -> DataLoader:
+        world_size, rank = self.trainer.world_size, self.trainer.global_rank
+        return DataLoader(TensorDataset(windows[rank::world_size]), batch_size=MICRO_BATCH * (WORLD // world_size))
+
+    def train_dataloader(self) -> DataLoader:
+        # One epoch is STEPS_PER_EPOCH optimizer steps.
+        return self._loader(token_windows(0, WORLD * MICRO_BATCH * ACCUMULATE * STEPS_PER_EPOCH))
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(token_windows(1, WORLD * MICRO_BATCH * 2))
+
+
+class TinyLM(L.LightningModule):
+    """Tied embedding/head, a frozen layer; re-initialised per rank in ``setup`` so the ranks start apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.grad_norms: list[float] = []
+        self.lrs: list[float] = []
+
+    def setup(self, stage: str) -> None:
+        g = torch.Generator().manual_seed(1000 + self.global_rank)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def loss(self, batch) -> torch.Tensor:
+        (tokens,) = batch
+        x = self.embed(tokens[:, :-1])  # (B, T, D)
+        logits = self.head(torch.tanh(self.hidden(x)) + self.frozen(x))  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.grad_norms.append(torch.nn.utils.get_total_norm(grads).item())
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        # A large eps keeps AdamW sensitive to the gradient scale, so a wrong average shows.
+        optimizer = torch.optim.AdamW(
+            [p for p in self.parameters() if p.requires_grad], lr=0.05, eps=0.1, weight_decay=0.1
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Recorder(Callback):
+    """Counts collectives per training batch and saves what the tests compare, one file per rank."""
+
+    def __init__(self, out_dir: str, tag: str) -> None:
+        self.out_dir, self.tag = out_dir, tag
+        self.calls = 0
+        self.per_batch: list[tuple[int, int]] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if not dist.is_initialized():
+            return
+        for name in COMMUNICATING:
+            original = getattr(dist, name)
+
+            def counting(*args, _original=original, **kwargs):
+                self.calls += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counting)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.wrapper = type(trainer.strategy.model).__name__
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._calls_at_start = self.calls
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.per_batch.append((batch_idx, self.calls - self._calls_at_start))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        """Runs after the strategy's teardown, so it also sees whether hooks were left behind."""
+        record = {
+            "final": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "grad_norms": pl_module.grad_norms,
+            "lrs": pl_module.lrs,
+            "collectives_per_batch": self.per_batch,
+            "val_loss": trainer.callback_metrics["val_loss"].item(),
+            "wrapper": self.wrapper,
+            "unwrapped": trainer.strategy.model is pl_module,
+            "hooks_left": sum(bool(p._post_accumulate_grad_hooks) for p in pl_module.parameters()),
+        }
+        optimizer = trainer.optimizers[0]
+        if isinstance(optimizer, ShardedOptimizer):
+            named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+            record["owned"] = [n for n, p in named if optimizer.owner(p) == trainer.global_rank]
+            record["state_keys"] = [n for n, p in named if p in optimizer.local_optimizer.state]
+        torch.save(record, Path(self.out_dir) / f"{self.tag}_rank{trainer.global_rank}.pt")
+
+
+def make_trainer(strategy, devices: int, out_dir: str, tag: str, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS_PER_EPOCH * EPOCHS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=0.3,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Recorder(out_dir, tag), *kwargs.pop("callbacks", [])],
+        default_root_dir=out_dir,
+        use_distributed_sampler=False,
+        **kwargs,
+    )

@@ -1,0 +1,119 @@
+"""naive_ddp, overlap_ddp, bucketed_ddp and zero1 on two CPU processes (gloo, spawn launcher) against
+single-process training on the same global batch: accumulation, clipping, LR schedule, validation,
+zero1's sharded state and its checkpoint resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import strategies  # noqa: F401  (registers the strategy names)
+from strategy_workers import ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer
+
+STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1"]
+WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "DDPIndividualParameters", "bucketed_ddp": "DDPBucketed",
+            "zero1": "DDPBucketed"}
+
+
+def load_ranks(out, tag: str) -> list[dict]:
+    return [torch.load(out / f"{tag}_rank{r}.pt") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("strategies")
+
+
+@pytest.fixture(scope="module")
+def reference(out_dir) -> dict:
+    """Single process, the whole global batch per micro-batch; the default (non-distributed) strategy."""
+    trainer = make_trainer("auto", 1, str(out_dir), "reference", enable_checkpointing=False)
+    trainer.fit(TinyLM(), datamodule=TinyData())
+    return torch.load(out_dir / "reference_rank0.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(out_dir) -> dict[str, list[dict]]:
+    """Each strategy trained once on two spawned processes; zero1 also keeps its end-of-epoch checkpoints."""
+    results = {}
+    for name in STRATEGIES:
+        if name == "zero1":
+            checkpoint = ModelCheckpoint(dirpath=out_dir / "zero1_ckpt", every_n_epochs=1, save_top_k=-1,
+                                         save_on_train_epoch_end=True)
+            trainer = make_trainer(f"{name}_spawn", 2, str(out_dir), name, callbacks=[checkpoint])
+        else:
+            trainer = make_trainer(f"{name}_spawn", 2, str(out_dir), name, enable_checkpointing=False)
+        trainer.fit(TinyLM(), datamodule=TinyData())
+        results[name] = load_ranks(out_dir, name)
+    return results
+
+
+def assert_state_close(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_trains_like_one_process_on_the_global_batch(runs, reference, name):
+    """Ranks start from different weights (TinyLM.setup), accumulate 2 micro-batches, clip at 0.3."""
+    assert len(reference["grad_norms"]) == STEPS_PER_EPOCH * EPOCHS
+    for rank in range(2):
+        assert runs[name][rank]["wrapper"] == WRAPPERS[name]
+        assert_state_close(runs[name][rank]["final"], reference["final"])
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_clipping_and_hooks_see_averaged_gradients_and_the_schedule(runs, reference, name):
+    for rank in range(2):
+        torch.testing.assert_close(runs[name][rank]["grad_norms"], reference["grad_norms"], rtol=1e-4, atol=1e-6)
+        assert runs[name][rank]["lrs"] == pytest.approx(reference["lrs"])
+    assert reference["lrs"] == pytest.approx([0.05 / (1 + s) for s in range(STEPS_PER_EPOCH * EPOCHS)])
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_accumulation_communicates_only_on_boundaries(runs, name):
+    for rank in range(2):
+        for batch_idx, calls in runs[name][rank]["collectives_per_batch"]:
+            boundary = (batch_idx + 1) % ACCUMULATE == 0
+            assert (calls > 0) == boundary, f"batch {batch_idx}: {calls} collectives"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_validation_runs_through_the_wrapper(runs, reference, name):
+    for rank in range(2):
+        assert runs[name][rank]["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+
+
+def test_zero1_ranks_hold_state_only_for_their_shard(runs):
+    owned = [set(runs["zero1"][r]["owned"]) for r in range(2)]
+    assert owned[0] and owned[1] and owned[0].isdisjoint(owned[1])
+    for rank in range(2):
+        assert set(runs["zero1"][rank]["state_keys"]) == owned[rank]
+
+
+def test_zero1_resumes_from_its_consolidated_checkpoint(runs, out_dir):
+    """Stop after epoch 0, resume from the checkpoint: the same trajectory as the uninterrupted run."""
+    checkpoint = out_dir / "zero1_ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+    saved = torch.load(checkpoint, weights_only=False)
+    (optimizer_state,) = saved["optimizer_states"]
+    assert len(optimizer_state["state"]) == 3, "one consolidated state for every trainable parameter"
+    trainer = make_trainer("zero1_spawn", 2, str(out_dir), "zero1_resumed", enable_checkpointing=False)
+    trainer.fit(TinyLM(), datamodule=TinyData(), ckpt_path=str(checkpoint))
+    resumed = load_ranks(out_dir, "zero1_resumed")
+    for rank in range(2):
+        assert_state_close(resumed[rank]["final"], runs["zero1"][rank]["final"])
+        assert resumed[rank]["lrs"] == pytest.approx(runs["zero1"][rank]["lrs"][STEPS_PER_EPOCH:])
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_teardown_removes_hooks_and_unwraps(runs, name):
+    for rank in range(2):
+        assert runs[name][rank]["unwrapped"]
+        assert runs[name][rank]["hooks_left"] == 0
+
+
+def test_bad_bucket_size_names_the_option():
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        strategies.BucketedDDPStrategy(bucket_size_mb=0)
