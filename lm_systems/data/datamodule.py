@@ -68,7 +68,7 @@ class LMDataModule(L.LightningDataModule):
         cache_dir: str = "data_cache",
         seed: int = 1234,
         text_column: str = "text",
-        generated_stories: int = 20_000,
+        generated_stories: int = 10_000,
     ) -> None:
         super().__init__()
         for name, value in (("context_length", context_length), ("batch_size", batch_size), ("val_batches", val_batches)):

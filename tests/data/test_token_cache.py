@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import time
+
 import numpy as np
 import pytest
 
 from lm_systems.data import datamodule as datamodule_module
 from lm_systems.data import token_cache
 from lm_systems.data.datamodule import LMDataModule
-from lm_systems.data.token_cache import token_dtype
+from lm_systems.data.token_cache import build_token_cache, token_dtype
 from lm_systems.data.tokenizer import END_OF_TEXT, save_tokenizer, train_bpe_tokenizer
 
 
@@ -95,6 +98,33 @@ def test_generated_corpus_is_cached_by_its_parameters(tmp_path, build_calls):
     assert build_calls == {"tokenizer": 2, "tokens": 2}
     assert len(list((tmp_path / "cache" / "corpora").iterdir())) == 2
     assert a.token_splits.tokens("train").tolist() != b.token_splits.tokens("train").tolist()
+
+
+def _prepare_and_report(corpus, cache_dir, builds_log, queue) -> None:
+    def logged_build(*args, **kwargs):
+        with open(builds_log, "a") as log:
+            log.write("build\n")
+        time.sleep(1.0)  # widens the race: without the lock, the other process would start its own build
+        return build_token_cache(*args, **kwargs)
+
+    datamodule_module.build_token_cache = logged_build  # in this forked process only
+    module = prepare(corpus, cache_dir)
+    queue.put((module.vocab_size, module.token_splits.tokens("train").tolist()))
+
+
+def test_concurrent_processes_build_the_cache_once(txt_corpus, tmp_path):
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    log = tmp_path / "builds.log"
+    workers = [context.Process(target=_prepare_and_report, args=(txt_corpus, tmp_path / "cache", log, queue)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    results = [queue.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    assert log.read_text().count("build") == 1, "the second process must wait for the first and reuse its entry"
+    assert results[0] == results[1]
 
 
 def test_token_dtype_fits_every_id():
