@@ -47,10 +47,6 @@ class CorpusSource:
         """True when rows are consecutive pieces of one text (lines of a .txt), not separate documents."""
         return self.kind in ("text", GENERATED)
 
-    @property
-    def key(self) -> str:
-        return fingerprint(self.identity)
-
 
 def resolve_corpus(spec: str, cache_dir: str | Path, generated_stories: int, seed: int) -> CorpusSource:
     """Classify ``spec`` without reading the data; a missing local path raises an error naming --data.corpus."""

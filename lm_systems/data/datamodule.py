@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lm_systems.data.cache_files import cache_lock, fingerprint
 from lm_systems.data.corpus import CorpusSource, iter_texts, load_corpus, resolve_corpus
-from lm_systems.data.token_cache import SPLITS, TokenSplits, build_token_cache, open_token_cache, token_cache_entry
+from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_token_cache, token_cache_entry
 from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
 
@@ -122,19 +122,24 @@ class LMDataModule(L.LightningDataModule):
         self._prepare()
 
     def setup(self, stage: str) -> None:
-        tokens = self._prepare().tokens
-        rank, world_size = self._rank_and_world_size()
-        for split in SPLITS:
-            available = tokens.meta["tokens"][split]
-            needed = self.context_length + 1 if split == "train" else world_size * self.context_length + 1
-            if available < needed:
-                raise ValueError(
-                    f"the {split} split of --data.corpus {self.corpus!r} has {available} tokens, too few for "
-                    f"{'a window' if split == 'train' else f'one window per rank ({world_size} ranks)'} of "
-                    f"--data.context_length {self.context_length} + 1: lower --data.context_length"
-                    + (", raise --data.val_fraction" if split == "validation" else "")
-                    + " or use a larger corpus"
-                )
+        counts = self._prepare().tokens.meta["tokens"]
+        _, world_size = self._rank_and_world_size()
+        if counts["train"] < self.context_length + 1:
+            raise ValueError(
+                f"the train split of --data.corpus {self.corpus!r} has {counts['train']} tokens, fewer than one "
+                f"window of --data.context_length {self.context_length} + 1: lower it or use a larger corpus"
+            )
+        if counts["validation"] < world_size * self.context_length + 1:
+            raise ValueError(
+                f"the validation split of --data.corpus {self.corpus!r} has {counts['validation']} tokens, too few "
+                f"for one window of --data.context_length {self.context_length} + 1 on each of {world_size} ranks: "
+                "lower --data.context_length, raise --data.val_fraction or use a larger corpus"
+            )
+        if self.val_batches * self.batch_size < world_size:
+            raise ValueError(
+                f"--data.val_batches {self.val_batches} × --data.batch_size {self.batch_size} validation windows "
+                f"cannot give each of {world_size} ranks one: raise --data.val_batches"
+            )
 
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self._rank_and_world_size()

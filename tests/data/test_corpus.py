@@ -120,3 +120,8 @@ def test_rows_without_text_are_an_error(tmp_path, tokenizer_file):
     path.write_text('{"text": ""}\n' * 5)
     with pytest.raises(ValueError, match="--data.corpus .* has no text"):
         prepared(path, tokenizer_file, tmp_path)
+
+
+def test_tokenizing_in_several_processes_keeps_the_order(jsonl_corpus, tokenizer_file, small_tokenizer, documents, tmp_path):
+    module = prepared(jsonl_corpus, tokenizer_file, tmp_path, text_column="story", num_proc=2)
+    assert both_splits(module) == documents_stream(small_tokenizer, documents)

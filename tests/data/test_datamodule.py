@@ -115,6 +115,21 @@ def test_context_longer_than_the_validation_split_names_the_flags(tmp_path):
         module.setup("fit")
 
 
+def test_train_split_shorter_than_a_window_names_the_flag(tmp_path):
+    path = tmp_path / "short.jsonl"
+    path.write_text('{"text": "one two three four five six seven eight nine ten"}\n' * 3)
+    module = LMDataModule(corpus=str(path), vocab_size=260, context_length=500, val_fraction=0.5, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="train split .* fewer than one window of --data.context_length 500"):
+        module.setup("fit")
+
+
+def test_too_few_validation_windows_for_the_ranks_names_the_flag(tmp_path):
+    module = generated(tmp_path, val_batches=1, batch_size=1)
+    module.trainer = SimpleNamespace(global_rank=0, world_size=2)
+    with pytest.raises(ValueError, match="raise --data.val_batches"):
+        module.setup("fit")
+
+
 @pytest.mark.parametrize(
     "kwargs, flag",
     [
