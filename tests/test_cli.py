@@ -49,6 +49,14 @@ def test_config_file_and_print_config(capsys):
     assert "size: small" in out and "max_steps: 5000" in out and "precision: bf16-mixed" in out
 
 
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["-c", str(REPO / "configs" / config), "--print_config"])
+    assert exit_.value.code in (0, None)
+    assert "model:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
