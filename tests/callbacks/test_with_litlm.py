@@ -12,9 +12,13 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
 from callbacks import MemorySnapshot, MFUMonitor, NVTXRanges, StepTimer
-from lm_systems.cli import main
-from lm_systems.data.datamodule import LMDataModule
-from lm_systems.lit_module import LitLM
+
+pytest.importorskip("datasets", reason="LMDataModule needs the datasets package (absent on the lent GPU image)")
+
+from lm_systems.cli import main  # noqa: E402
+from lm_systems.data.datamodule import LMDataModule  # noqa: E402
+from lm_systems.lit_module import LitLM  # noqa: E402
+
 
 REPO = Path(__file__).resolve().parents[2]
 # A model and corpus small enough that data preparation and 8 steps take seconds on two cores.
