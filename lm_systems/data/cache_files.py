@@ -48,7 +48,7 @@ def file_identity(path: str | Path) -> dict[str, Any]:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     return {
         "path": str(path),
-        "files": [(str(p.relative_to(path) if path.is_dir() else p.name), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+        "files": [(str(p.relative_to(path.parent)), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
     }
 
 

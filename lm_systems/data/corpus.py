@@ -68,7 +68,8 @@ def resolve_corpus(spec: str, cache_dir: str | Path, generated_stories: int, see
         loader = FILE_LOADERS.get(path.suffix.lower())
         if loader is None:
             raise ValueError(
-                f"--data.corpus {spec!r} has an unsupported extension {path.suffix!r} (use one of {', '.join(FILE_LOADERS)})"
+                f"--data.corpus {spec!r} has an unsupported extension {path.suffix!r} "
+                f"(use one of {', '.join(FILE_LOADERS)})"
             )
         if path.stat().st_size == 0:
             raise ValueError(f"--data.corpus {spec!r} is empty: it has no rows of text")

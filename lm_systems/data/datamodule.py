@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as L
 import torch
+from datasets import DatasetDict
 from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
@@ -19,7 +20,7 @@ from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenize
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
 
 TOKENIZER_TRAINING_CHARS = 200_000_000
-"""BPE is trained on at most this much of the training text (TinyStories' first ~10%): merges settle long before."""
+"""BPE trains on at most this much of the training text (~10% of TinyStories): plenty for a 10k vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,16 @@ class LMDataModule(L.LightningDataModule):
         generated_stories: int = 10_000,
     ) -> None:
         super().__init__()
-        for name, value in (("context_length", context_length), ("batch_size", batch_size), ("val_batches", val_batches)):
+        positive = {"context_length": context_length, "batch_size": batch_size, "val_batches": val_batches}
+        for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"--data.{name} must be positive, got {value}")
         if not 0 < val_fraction < 1:
             raise ValueError(f"--data.val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
         if num_workers < 0 or (num_proc is not None and num_proc <= 0):
-            raise ValueError(f"--data.num_workers must be >= 0 and --data.num_proc > 0 or unset, got {num_workers}, {num_proc}")
+            raise ValueError(
+                f"--data.num_workers must be >= 0 and --data.num_proc > 0 or unset, got {num_workers} and {num_proc}"
+            )
         self.corpus = corpus
         self.tokenizer_path = tokenizer
         self.target_vocab_size = vocab_size
@@ -113,7 +117,7 @@ class LMDataModule(L.LightningDataModule):
 
     @property
     def token_splits(self) -> TokenSplits:
-        """The token cache entry: ``.tokens("train")`` / ``.tokens("validation")`` memmaps, ``.meta``, ``.directory``."""
+        """The token cache entry: ``.tokens("train")`` / ``.tokens("validation")`` memmaps and ``.meta``."""
         return self._prepare().tokens
 
     # -- Lightning hooks -------------------------------------------------------------------
@@ -160,7 +164,10 @@ class LMDataModule(L.LightningDataModule):
         starts = validation_window_starts(
             tokens.meta["tokens"]["validation"], self.context_length, self.val_batches * self.batch_size, world_size
         )
-        return self._loader(ValidationWindows(tokens.path("validation"), starts, self.context_length, self.batch_size, rank, world_size))
+        windows = ValidationWindows(
+            tokens.path("validation"), starts, self.context_length, self.batch_size, rank, world_size
+        )
+        return self._loader(windows)
 
     def state_dict(self) -> dict[str, Any]:
         """The data position: training batches this rank has consumed (all ranks consume the same count).
@@ -200,30 +207,40 @@ class LMDataModule(L.LightningDataModule):
         """
         if self._prepared is not None:
             return self._prepared
+        corpus: DatasetDict | None = None
+
+        def loaded_corpus() -> DatasetDict:  # read at most once, and only when something must be built
+            nonlocal corpus
+            if corpus is None:
+                corpus = load_corpus(self._source, self.cache_dir, self.text_column)
+            return corpus
+
         with cache_lock(self.cache_dir):
-            corpus = None
-            if self.tokenizer_path is not None:
-                tokenizer = load_tokenizer(self.tokenizer_path)
-            else:
-                tokenizer_file = self.cache_dir / "tokenizers" / self._tokenizer_key() / "tokenizer.json"
-                if tokenizer_file.is_file():
-                    tokenizer = load_tokenizer(tokenizer_file)
-                else:
-                    corpus = load_corpus(self._source, self.cache_dir, self.text_column)
-                    rank_zero_info(f"training a byte-level BPE tokenizer (target {self.target_vocab_size} tokens) on {self.corpus!r}")
-                    tokenizer = train_bpe_tokenizer(iter_texts(corpus["train"], TOKENIZER_TRAINING_CHARS), self.target_vocab_size)
-                    save_tokenizer(tokenizer, tokenizer_file)
+            tokenizer = self._load_or_train_tokenizer(loaded_corpus)
             entry = token_cache_entry(self.cache_dir, self._source, tokenizer, self.text_column, self.val_fraction)
             tokens = open_token_cache(entry)
             if tokens is None:
-                corpus = corpus if corpus is not None else load_corpus(self._source, self.cache_dir, self.text_column)
-                tokens = build_token_cache(entry, corpus, self._source, tokenizer, self.val_fraction, self.num_proc)
+                tokens = build_token_cache(
+                    entry, loaded_corpus(), self._source, tokenizer, self.val_fraction, self.num_proc
+                )
                 rank_zero_info(
                     f"tokenized {self.corpus!r}: {tokens.meta['tokens']} tokens, vocab {tokens.meta['vocab_size']}, "
                     f"in {tokens.meta['seconds']} s → {entry}"
                 )
         self._prepared = PreparedData(tokenizer, tokens)
         return self._prepared
+
+    def _load_or_train_tokenizer(self, loaded_corpus: Callable[[], DatasetDict]) -> Tokenizer:
+        if self.tokenizer_path is not None:
+            return load_tokenizer(self.tokenizer_path)
+        path = self.cache_dir / "tokenizers" / self._tokenizer_key() / "tokenizer.json"
+        if path.is_file():
+            return load_tokenizer(path)
+        rank_zero_info(f"training a byte-level BPE (target {self.target_vocab_size} tokens) on {self.corpus!r}")
+        texts = iter_texts(loaded_corpus()["train"], TOKENIZER_TRAINING_CHARS)
+        tokenizer = train_bpe_tokenizer(texts, self.target_vocab_size)
+        save_tokenizer(tokenizer, path)
+        return tokenizer
 
     def _tokenizer_key(self) -> str:
         return fingerprint({

@@ -137,7 +137,7 @@ def _rain(rng: random.Random, hero: Character, friend: Character, place: str, to
     game = rng.choice(GAMES)
     return [
         f"One day, {hero.name} wanted to go to the {place} to {game} with {friend.name}.",
-        f"But then it started to rain.",
+        "But then it started to rain.",
         f"{hero.name} was sad because {hero.he} could not {game} in the {place}.",
         f'{friend.name} said, "Do not be sad, {hero.name}. We can play inside."',
         f"So {hero.name} and {friend.name} stayed inside and {rng.choice(INDOOR_GAMES)}.",

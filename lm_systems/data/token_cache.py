@@ -50,7 +50,10 @@ class TokenSplits:
         return np.load(self.path(split), mmap_mode="r")
 
 
-def token_cache_entry(cache_dir: str | Path, source: CorpusSource, tokenizer: Tokenizer, text_column: str, val_fraction: float) -> Path:
+def token_cache_entry(
+    cache_dir: str | Path, source: CorpusSource, tokenizer: Tokenizer, text_column: str, val_fraction: float
+) -> Path:
+    """The folder of the entry for this corpus, tokenizer and split settings (complete or not)."""
     key = fingerprint({
         "corpus": source.identity,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -126,7 +129,13 @@ def build_token_cache(
 
 
 def _encode(
-    split: Dataset, tokenizer: Tokenizer, eot_id: int, is_stream: bool, dtype: np.dtype, num_proc: int | None, cache_file: Path
+    split: Dataset,
+    tokenizer: Tokenizer,
+    eot_id: int,
+    is_stream: bool,
+    dtype: np.dtype,
+    num_proc: int | None,
+    cache_file: Path,
 ) -> Dataset:
     suffix = [] if is_stream else [eot_id]
 

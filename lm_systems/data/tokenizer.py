@@ -51,7 +51,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer in ``path`` (a tokenizer.json), which must know ``<|endoftext|>``; errors name --data.tokenizer."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--data.tokenizer {str(path)!r} does not exist (pass a tokenizer.json, or leave it unset to train one)")
+        raise FileNotFoundError(
+            f"--data.tokenizer {str(path)!r} does not exist (pass a tokenizer.json, or leave it unset to train one)"
+        )
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as error:  # the Rust side raises a bare Exception on a malformed file

@@ -94,7 +94,15 @@ class TrainWindowStream(IterableDataset):
 class ValidationWindows(IterableDataset):
     """This rank's share (every ``world_size``-th) of a fixed set of validation windows, in batches."""
 
-    def __init__(self, tokens_path: str | Path, starts: np.ndarray, context_length: int, batch_size: int, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        tokens_path: str | Path,
+        starts: np.ndarray,
+        context_length: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+    ) -> None:
         self.tokens_path = str(tokens_path)
         self.starts = starts[rank::world_size]
         self.window = context_length + 1
