@@ -236,8 +236,9 @@ class LMDataModule(L.LightningDataModule):
         path = self.cache_dir / "tokenizers" / self._tokenizer_key() / "tokenizer.json"
         if path.is_file():
             return load_tokenizer(path)
+        train_split = loaded_corpus()["train"]
         rank_zero_info(f"training a byte-level BPE (target {self.target_vocab_size} tokens) on {self.corpus!r}")
-        texts = iter_texts(loaded_corpus()["train"], TOKENIZER_TRAINING_CHARS)
+        texts = iter_texts(train_split, TOKENIZER_TRAINING_CHARS)
         tokenizer = train_bpe_tokenizer(texts, self.target_vocab_size)
         save_tokenizer(tokenizer, path)
         return tokenizer
