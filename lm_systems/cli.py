@@ -62,7 +62,7 @@ class LMCLI(LightningCLI):
         parser.link_arguments(("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length)
 
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand]
+        config = self.config[self.subcommand] if self.subcommand else self.config
         for name in SHORT_FLAGS:
             if config.get(name) is not None:
                 config.trainer[name] = config[name]
@@ -75,9 +75,9 @@ class LMCLI(LightningCLI):
                 raise ValueError(f"--ckpt_path {ckpt_path!r} is not a readable PyTorch checkpoint")
 
     def instantiate_trainer(self, **kwargs):
-        interval = self._get(self.config, "checkpointing_interval", default=0)
-        extra = kwargs.pop("callbacks", None) or []
-        return super().instantiate_trainer(callbacks=[*extra, IntervalCheckpoint(interval)], **kwargs)
+        trainer = super().instantiate_trainer(**kwargs)  # with the callbacks from YAML and --trainer.callbacks
+        trainer.callbacks.append(IntervalCheckpoint(self._get(self.config, "checkpointing_interval", default=0)))
+        return trainer
 
 
 def main(args: Optional[list[str]] = None) -> LMCLI:
