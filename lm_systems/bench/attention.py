@@ -65,6 +65,11 @@ def implementations(names: list[str]) -> dict[str, AttnFn]:
     from lm_systems.attention import get_attention
     from lm_systems.attention.flash_triton import FlashAttention2Triton
 
+    # Timing backward alone replays one compiled backward with retain_graph=True, which AOTAutograd
+    # refuses when it donated the saved buffers to the backward graph (seen at d = 128).
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
     builders = {
         "naive": lambda: get_attention("naive"),
         "naive_compiled": lambda: torch.compile(get_attention("naive"), dynamic=True),
@@ -85,27 +90,35 @@ def _is_oom(error: BaseException) -> bool:
 
 
 def time_attention(fn: AttnFn, q, k, v, is_causal: bool, rep_ms: int) -> dict[str, float | str]:
-    """Median ms of forward, backward alone and forward+backward; 'OOM' or 'unsupported' on failure."""
+    """Median ms of forward, backward alone and forward+backward; 'OOM' or 'unsupported' where one fails."""
     from triton.testing import do_bench
 
     grad_out = torch.randn_like(q)
-    try:
-        fwd = do_bench(lambda: fn(q, k, v, is_causal), warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median")
-        out = fn(q, k, v, is_causal)
-        bwd = do_bench(lambda: out.backward(grad_out, retain_graph=True), warmup=max(5, rep_ms // 4), rep=rep_ms,
-                       grad_to_none=[q, k, v], return_mode="median")
-        del out
-        both = do_bench(lambda: fn(q, k, v, is_causal).backward(grad_out), warmup=max(5, rep_ms // 4), rep=rep_ms,
-                        grad_to_none=[q, k, v], return_mode="median")
-        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": both}
-    except Exception as error:  # noqa: BLE001 - any failure of one implementation is a table entry
-        status = "OOM" if _is_oom(error) else "unsupported"
-        if status == "unsupported":
-            print(f"  {getattr(fn, '__name__', fn)}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
-        return {"fwd": status, "bwd": status, "fwd+bwd": status}
-    finally:
-        q.grad = k.grad = v.grad = None
-        torch.cuda.empty_cache()
+
+    def bench(run, **kwargs) -> float:
+        return do_bench(run, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median", **kwargs)
+
+    def backward_alone() -> float:
+        out = fn(q, k, v, is_causal)  # one graph, its backward replayed (retain_graph) under the timer
+        return bench(lambda: out.backward(grad_out, retain_graph=True), grad_to_none=[q, k, v])
+
+    parts = {
+        "fwd": lambda: bench(lambda: fn(q, k, v, is_causal)),
+        "bwd": backward_alone,
+        "fwd+bwd": lambda: bench(lambda: fn(q, k, v, is_causal).backward(grad_out), grad_to_none=[q, k, v]),
+    }
+    times: dict[str, float | str] = {}
+    for part, measure in parts.items():
+        try:
+            times[part] = measure()
+        except Exception as error:  # noqa: BLE001 - a failure of one implementation is a table entry
+            times[part] = "OOM" if _is_oom(error) else "unsupported"
+            if times[part] == "unsupported":
+                print(f"  {getattr(fn, '__name__', fn)} {part}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+        finally:
+            q.grad = k.grad = v.grad = None
+            torch.cuda.empty_cache()
+    return times
 
 
 def _qkv(batch: int, heads: int, n_q: int, n_k: int, d: int, dtype: torch.dtype):
@@ -269,15 +282,17 @@ def _plot_flash(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["dtype"], r["d"]) for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colors = dict(zip(impls, plt.rcParams["axes.prop_cycle"].by_key()["color"]))  # one colour per impl in every panel
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
     for ax, (dtype_name, d) in zip(axes[0], panels):
-        for impl in dict.fromkeys(r["impl"] for r in rows):
+        for impl in impls:
             pts = [(r["N_k"], r["fwd+bwd_TFLOPs"]) for r in rows if r["impl"] == impl and r["dtype"] == dtype_name
                    and r["d"] == d and r["N_q"] == r["N_k"] and r["fwd+bwd_TFLOPs"] != ""]
             if pts:
-                ax.semilogx(*zip(*pts), marker=".", label=impl)
+                ax.semilogx(*zip(*pts), marker=".", color=colors[impl], label=impl)
         ax.set(title=f"{dtype_name} d={d} (square)", xlabel="N", ylabel="fwd+bwd TFLOP/s")
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

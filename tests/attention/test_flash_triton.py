@@ -71,6 +71,24 @@ def test_matches_float64_reference(lead, n_q, n_k, d, dtype, is_causal):
     _check_against_reference(*_inputs(lead, n_q, n_k, d, dtype), is_causal)
 
 
+@pytest.mark.skipif(not flash_triton.interpreting(), reason="tile configs are chosen by autotuning on a GPU")
+def test_tiles_taller_than_wide_and_wider_than_tall(monkeypatch):
+    # The default interpreter tiles are 32×16 (forward, dQ) and 16×32 (dK/dV); GPU configs use both
+    # aspect ratios in every kernel, so run the opposite ones too. d = 48 pads to 64; the autotune
+    # caches are emptied so no earlier choice is reused.
+    import triton
+
+    from lm_systems.attention import flash_triton_autotune as autotune
+
+    swapped = {"fwd": (16, 32), "dq": (16, 32), "dkdv": (32, 16)}
+    for kind, (bm, bn) in swapped.items():
+        monkeypatch.setitem(autotune.INTERPRETER_CONFIG, kind, triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}))
+    for kernel in (autotune.attn_fwd, autotune.attn_bwd_dq, autotune.attn_bwd_dkdv):
+        monkeypatch.setattr(kernel, "cache", {})
+    for n_q, n_k in ((37, 50), (50, 19)):
+        _check_against_reference(*_inputs((1, 2), n_q, n_k, 48, torch.float32), True)
+
+
 def test_logsumexp_is_saved_and_matches_reference():
     q, k, v = (t.requires_grad_() for t in _inputs((1, 2), 40, 25, 16, torch.float32))
     out, lse = flash_forward_triton(q, k, v, True)
