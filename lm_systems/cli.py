@@ -28,7 +28,7 @@ SHORT_FLAGS: dict[str, tuple[type, str]] = {
 """``--strategy X`` is short for ``--trainer.strategy X``; the short form wins when both are given."""
 
 TRAINER_DEFAULTS = {
-    "max_steps": 400,
+    "max_steps": 300,
     "val_check_interval": 50,
     "check_val_every_n_epoch": None,  # the training stream is endless: validate by steps
     "log_every_n_steps": 10,
@@ -58,6 +58,7 @@ class LMCLI(LightningCLI):
             "--checkpointing_interval", type=int, default=0,
             help="> 0: save a checkpoint every N optimizer steps; <= 0: only at the end. The final step is always saved.",
         )
+        parser.set_defaults({"data.val_batches": 16})  # keeps the embedded default run near two minutes
         # The data windows are as long as the model's context.
         parser.link_arguments(("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length)
 

@@ -185,8 +185,9 @@ class LitLM(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # averaged over every rank's windows
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        self.log("val/perplexity", loss.exp())
+        # Already equal on every rank; sync_dist only tells Lightning so (one tiny all-reduce per validation).
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/perplexity", loss.exp(), sync_dist=True)
         self._last_step_time = None  # validation time is not training throughput
 
     # -- checkpoints and the closing sample --------------------------------------------------
