@@ -3,6 +3,7 @@ Lightning's spawn launcher can pickle them into its worker processes."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -136,9 +137,9 @@ class Recorder(Callback):
         torch.save(record, Path(self.out_dir) / f"{self.tag}_rank{trainer.global_rank}.pt")
 
 
-def make_trainer(strategy, devices: int, out_dir: str, tag: str, **kwargs) -> L.Trainer:
+def make_trainer(strategy, devices: int, out_dir: str, tag: str, accelerator: str = "cpu", **kwargs) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         max_steps=STEPS_PER_EPOCH * EPOCHS,
@@ -154,3 +155,20 @@ def make_trainer(strategy, devices: int, out_dir: str, tag: str, **kwargs) -> L.
         use_distributed_sampler=False,
         **kwargs,
     )
+
+
+def run_externally_launched(rank: int, world_size: int, port: int, out_dir: str, names: list[str],
+                            precisions: list[str], accelerator: str = "gpu") -> None:
+    """One process per GPU started outside Lightning (as torchrun would): Lightning's popen launcher sees
+    LOCAL_RANK, starts no process and joins; every (strategy, precision) fit reuses the process group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    try:
+        for precision in precisions:
+            for name in names:
+                trainer = make_trainer(name, world_size, out_dir, f"{name}_{precision}", accelerator=accelerator,
+                                       precision=precision, enable_checkpointing=False)
+                trainer.fit(TinyLM(), datamodule=TinyData())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,156 @@
+"""All-reduce benchmark: ``python -m lm_systems.bench.comm --backend nccl --nproc 2``.
+
+Spawns ``--nproc`` processes (torch.multiprocessing, no torchrun), one per GPU with NCCL or on the CPU
+with gloo, and all-reduces float32 tensors of each size. Time is the median over ``--iters`` calls
+of the slowest rank (every call starts after a barrier; on NCCL the device is synchronised before
+and after it); bandwidths follow nccl-tests' convention:
+
+    algorithm bandwidth = bytes / time
+    bus bandwidth       = 2 (n - 1) / n · bytes / time   (what each link carries in a ring all-reduce)
+
+With NCCL, ``--ops sum,avg`` also compares ReduceOp.AVG (what the DDP containers use on NCCL) with SUM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lm_systems.bench.report import RESULTS_DIR, write_results
+
+MB = 1_000_000
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_all_reduce(tensor: torch.Tensor, op, warmup: int, iters: int) -> float:
+    """Median seconds of one all-reduce on this rank (ranks aligned by a barrier before each call)."""
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        _sync(tensor.device)
+        start = time.perf_counter()
+        dist.all_reduce(tensor, op=op)
+        _sync(tensor.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, rank=rank, world_size=args.nproc, timeout=timedelta(seconds=args.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        rows = []
+        for op_name in args.ops:
+            for size_mb in args.sizes_mb:
+                numel = int(size_mb * MB) // 4
+                tensor = torch.randn(numel, device=device)
+                local = torch.tensor([time_all_reduce(tensor, OPS[op_name], args.warmup, args.iters)], device=device)
+                dist.all_reduce(local, op=dist.ReduceOp.MAX)  # the collective is as slow as its slowest rank
+                seconds = local.item()
+                nbytes = numel * 4
+                rows.append({
+                    "backend": args.backend, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "nproc": args.nproc, "op": op_name, "size_mb": size_mb, "time_ms": seconds * 1e3,
+                    "algbw_GBps": nbytes / seconds / 1e9,
+                    "busbw_GBps": 2 * (args.nproc - 1) / args.nproc * nbytes / seconds / 1e9,
+                })
+                del tensor
+        if rank == 0:
+            queue.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def _plot(rows: list[dict]):
+    def plot(path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for op in dict.fromkeys(r["op"] for r in rows):
+            mine = [r for r in rows if r["op"] == op]
+            ax.plot([r["size_mb"] for r in mine], [r["busbw_GBps"] for r in mine], marker="o", label=op)
+        ax.set(xscale="log", xlabel="tensor size (MB, float32)", ylabel="bus bandwidth (GB/s)",
+               title=f"all-reduce, {rows[0]['backend']}, {rows[0]['nproc']} processes")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    return plot
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                        help="auto: nccl when CUDA is available, else gloo (on the CPU)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes (with NCCL: at most the number of GPUs)")
+    parser.add_argument("--sizes-mb", type=lambda s: [float(x) for x in s.split(",")], default=[1, 10, 100, 1000],
+                        help="comma-separated tensor sizes in MB (10^6 bytes)")
+    parser.add_argument("--ops", type=lambda s: s.split(","), default=None,
+                        help="comma-separated reduce ops among sum,avg (default: sum; sum,avg on NCCL)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--timeout-s", type=int, default=300, help="process-group timeout")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default=None, help="result file stem (default comm_<backend>_<nproc>proc)")
+    args = parser.parse_args(argv)
+    if args.backend == "auto":
+        args.backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.backend == "nccl" and args.nproc > torch.cuda.device_count():
+        parser.error(f"--nproc {args.nproc} needs {args.nproc} GPUs for nccl; {torch.cuda.device_count()} visible")
+    if args.nproc < 2:
+        parser.error("--nproc must be at least 2 for an all-reduce to communicate")
+    args.ops = args.ops or (["sum", "avg"] if args.backend == "nccl" else ["sum"])
+    unknown = set(args.ops) - set(OPS)
+    if unknown or (args.backend == "gloo" and "avg" in args.ops):
+        parser.error(f"--ops must be among {sorted(OPS)} (gloo has no avg), got {args.ops}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(args, _free_port(), queue), nprocs=args.nproc, join=True)
+    rows = queue.get()
+    name = args.name or f"comm_{args.backend}_{args.nproc}proc"
+    write_results(
+        name, rows, title=f"All-reduce, {args.backend}, {args.nproc} processes, float32",
+        notes="Median of the slowest rank over "
+        f"{args.iters} calls after {args.warmup} warm-up calls; bus bandwidth = 2(n-1)/n · bytes / time.",
+        columns=["backend", "device", "nproc", "op", "size_mb", "time_ms", "algbw_GBps", "busbw_GBps"],
+        plot=_plot(rows), out_dir=args.out_dir,
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""Data-parallel training benchmark: ``python -m lm_systems.bench.ddp --size xl --nproc 2``.
+
+Trains a TransformerLM (default xl, batch 4 per rank, context 512, bf16 autocast, fused AdamW) in a
+plain PyTorch loop on ``--nproc`` processes started with torch.multiprocessing (no torchrun, no
+Lightning Trainer: the loop is the same for every variant, so the step times compare the gradient
+synchronisation alone). Variants, all interleaved round by round, a fresh model each visit:
+
+- ``single``: rank 0 alone, no communication (the scaling baseline; the other ranks wait);
+- ``torch_ddp``: torch DistributedDataParallel with its defaults (Lightning's ``ddp``: 25 MB buckets,
+  gradients copied into and out of the buckets); ``torch_ddp_view``: the same with
+  ``gradient_as_bucket_view=True``;
+- ``naive`` / ``naive_flat`` / ``overlap`` / ``bucketed_<MB>``: lm_systems.parallel's containers;
+- ``zero1`` (p2p parameter exchange), ``zero1_broadcast``: DDPBucketed (25 MB) + ShardedOptimizer;
+  ``torch_zero``: torch DDP + torch's ZeroRedundancyOptimizer, its baseline.
+
+Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
+instrumented steps (forward, backward, gradient sync left after backward, optimizer), tokens/s,
+scaling efficiency (single-rank step time / step time: per-rank throughput against one GPU), peak
+memory and optimizer-state bytes per rank, and whether all replicas hold identical weights after
+training. Ratios to ``torch_ddp`` are taken within each round, then the median over rounds.
+``--matrix`` adds attention implementations × (single, naive, bucketed_25, torch_ddp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import socket
+import statistics
+import time
+import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from lm_systems.attention import attention_names
+from lm_systems.bench.report import RESULTS_DIR, write_results
+from lm_systems.config import ModelConfig
+from lm_systems.model import TransformerLM
+from lm_systems.parallel import DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer
+
+GB = 1e9
+DEFAULT_VARIANTS = ["single", "torch_ddp", "torch_ddp_view", "naive", "naive_flat", "overlap", "bucketed_1",
+                    "bucketed_10", "bucketed_25", "bucketed_100", "bucketed_1000", "zero1", "zero1_broadcast",
+                    "torch_zero"]
+MATRIX_STRATEGIES = ["single", "naive", "bucketed_25", "torch_ddp"]
+
+
+@dataclass
+class Run:
+    """One variant's model, wrapper and optimizer on this rank."""
+
+    model: torch.nn.Module  # what forward is called on
+    optimizer: torch.optim.Optimizer
+    finish: Callable[[], None] = lambda: None
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+
+def build(variant: str, config: ModelConfig, device: torch.device, lr: float = 1e-4) -> Run:
+    torch.manual_seed(0)
+    with device:
+        model = TransformerLM(config)
+    adamw = dict(lr=lr, fused=device.type == "cuda")
+    ddp_ids = [device.index] if device.type == "cuda" else None
+    if variant == "single":
+        return Run(model, torch.optim.AdamW(model.parameters(), **adamw))
+    if variant in ("torch_ddp", "torch_ddp_view"):
+        wrapped = DistributedDataParallel(model, device_ids=ddp_ids, gradient_as_bucket_view=variant.endswith("view"))
+        return Run(wrapped, torch.optim.AdamW(model.parameters(), **adamw))
+    if variant == "torch_zero":
+        wrapped = DistributedDataParallel(model, device_ids=ddp_ids)
+        return Run(wrapped, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw))
+    if variant in ("zero1", "zero1_broadcast"):
+        container = DDPBucketed(model, bucket_size_mb=25)
+        exchange = "broadcast" if variant.endswith("broadcast") else "p2p"
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, exchange=exchange, **adamw)
+        return Run(container, optimizer, container.finish_gradient_synchronization, [container.remove_hooks])
+    containers: dict[str, Callable[[], DataParallelModule]] = {
+        "naive": lambda: NaiveDDP(model),
+        "naive_flat": lambda: NaiveDDP(model, flat=True),
+        "overlap": lambda: DDPIndividualParameters(model),
+    }
+    if variant.startswith("bucketed_"):
+        container = DDPBucketed(model, bucket_size_mb=float(variant.split("_", 1)[1]))
+    elif variant in containers:
+        container = containers[variant]()
+    else:
+        raise ValueError(f"unknown variant {variant!r} (--variants takes: {', '.join(DEFAULT_VARIANTS)}, bucketed_<MB>)")
+    return Run(container, torch.optim.AdamW(model.parameters(), **adamw), container.finish_gradient_synchronization,
+               [container.remove_hooks])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    inner = {ShardedOptimizer: lambda o: o.local_optimizer, ZeroRedundancyOptimizer: lambda o: o.optim}
+    optimizer = inner.get(type(optimizer), lambda o: o)(optimizer)
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def measure(run: Run, batches: list[torch.Tensor], args: argparse.Namespace, device: torch.device) -> dict:
+    """Warm-up, timed steps (synchronised per step) and instrumented steps on this rank."""
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
+
+    def step(batch: torch.Tensor, phases: dict[str, list[float]] | None = None) -> None:
+        marks = [time.perf_counter()]
+
+        def mark() -> None:
+            if phases is not None:
+                _sync(device)
+                marks.append(time.perf_counter())
+
+        run.optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            logits = run.model(batch[:, :-1])  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        mark()
+        loss.backward()
+        mark()
+        run.finish()
+        mark()
+        run.optimizer.step()
+        mark()
+        if phases is not None:
+            for name, a, b in zip(("forward", "backward", "sync", "optimizer"), marks, marks[1:]):
+                phases[name].append(b - a)
+
+    for i in range(args.warmup):
+        step(batches[i % len(batches)])
+    step_times = []
+    for i in range(args.steps):
+        _sync(device)
+        start = time.perf_counter()
+        step(batches[i % len(batches)])
+        _sync(device)
+        step_times.append(time.perf_counter() - start)
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "sync": [], "optimizer": []}
+    for i in range(args.instrumented_steps):
+        _sync(device)
+        step(batches[i % len(batches)], phases)
+    params = [p for p in run.optimizer.param_groups[0]["params"]]
+    checksum = torch.stack([p.detach().double().sum() for p in params]).sum().item()
+    return {
+        "step_s": statistics.median(step_times),
+        **{f"{k}_s": statistics.median(v) if v else float("nan") for k, v in phases.items()},
+        "peak_mem": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan"),
+        "opt_state": optimizer_state_bytes(run.optimizer),
+        "checksum": checksum,
+    }
+
+
+def visit(variant: str, attention: str, args: argparse.Namespace, device: torch.device) -> dict | None:
+    """Build, measure and free one variant; rank 0 returns the row (slowest rank's time, largest memory),
+    or None when it failed (the error is printed)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=attention,
+                                   vocab_size=args.vocab_size)
+    runs_here = variant != "single" or rank == 0
+    result = None
+    if runs_here:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            run = build(variant, config, device)
+            g = torch.Generator(device=device).manual_seed(1000 + rank)
+            batches = [torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1),
+                                     device=device, generator=g) for _ in range(2)]
+            result = measure(run, batches, args, device)
+            for cleanup in run.cleanup:
+                cleanup()
+        except Exception as error:  # e.g. a kernel that fails to compile: every rank fails alike, and goes on
+            traceback.print_exc()
+            result = {"error": f"{type(error).__name__}: {error}"}
+        run = batches = None
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, result)
+    if rank != 0:
+        return None
+    ranks = [r for r in per_rank if r is not None]
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        print(f"{variant} with {attention} attention failed: {errors[0]}", flush=True)
+        return None
+    nproc = 1 if variant == "single" else world
+    step_s = max(r["step_s"] for r in ranks)
+    row = {
+        "variant": variant, "attention": attention, "nproc": nproc, "step_ms": step_s * 1e3,
+        **{f"{k}_ms": max(r[f"{k}_s"] for r in ranks) * 1e3 for k in ("forward", "backward", "sync", "optimizer")},
+        "tokens_per_s": nproc * args.batch_size * args.context_length / step_s,
+        "peak_mem_GB": max(r["peak_mem"] for r in ranks) / GB,
+        "opt_state_GB": max(r["opt_state"] for r in ranks) / GB,
+        "replicas_equal": len({r["checksum"] for r in ranks}) == 1,
+    }
+    return row
+
+
+def summarize(rows: list[dict], baseline: str = "torch_ddp") -> list[dict]:
+    """Median over rounds per (variant, attention); ratios and scaling efficiency taken within each round."""
+    summary = []
+    for key in dict.fromkeys((r["variant"], r["attention"]) for r in rows):
+        mine = [r for r in rows if (r["variant"], r["attention"]) == key]
+        out = {k: mine[0][k] for k in ("variant", "attention", "nproc")}
+        for k in ("step_ms", "forward_ms", "backward_ms", "sync_ms", "optimizer_ms", "tokens_per_s", "peak_mem_GB",
+                  "opt_state_GB"):
+            out[k] = statistics.median(r[k] for r in mine)
+        same_round = {(r["round"], r["variant"], r["attention"]): r["step_ms"] for r in rows}
+        for name, other in ((f"vs_{baseline}", baseline), ("scaling_eff", "single")):
+            ratios = [same_round[(r["round"], other, r["attention"])] for r in mine
+                      if (r["round"], other, r["attention"]) in same_round]
+            ratios = [r["step_ms"] / o if name.startswith("vs") else o / r["step_ms"] for r, o in zip(mine, ratios)]
+            out[name] = statistics.median(ratios) if ratios else float("nan")
+        out["replicas_equal"] = all(r["replicas_equal"] for r in mine)
+        out["rounds"] = len(mine)
+        summary.append(out)
+    return summary
+
+
+def zero1_memory_notes(summary: list[dict], nproc: int) -> str:
+    """Peak-memory saving of each ZeRO variant against its DDP counterpart, and the issue's target."""
+    by_name = {r["variant"]: r for r in summary if r["attention"] == summary[0]["attention"]}
+    lines = []
+    for zero, ddp in (("zero1", "bucketed_25"), ("zero1_broadcast", "bucketed_25"), ("torch_zero", "torch_ddp")):
+        if zero in by_name and ddp in by_name:
+            full_state = by_name[ddp]["opt_state_GB"]
+            saved = by_name[ddp]["peak_mem_GB"] - by_name[zero]["peak_mem_GB"]
+            target = 0.9 * (1 - 1 / nproc) * full_state
+            lines.append(f"- {zero} vs {ddp}: peak memory {saved:.2f} GB lower per rank; target ≥ 0.9·(1−1/N)·"
+                         f"{full_state:.2f} GB optimizer state = {target:.2f} GB ({'met' if saved >= target else 'missed'}); "
+                         f"step time ×{by_name[zero]['step_ms'] / by_name[ddp]['step_ms']:.3f}")
+    return "\n".join(lines)
+
+
+def _bar_plot(summary: list[dict], value: str, label: str, title: str, group_by_attention: bool):
+    def plot(path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 0.35 * len(summary) + 1.5))
+        names = [f"{r['attention']} / {r['variant']}" if group_by_attention else r["variant"] for r in summary]
+        ax.barh(names, [r[value] for r in summary], color="tab:blue")
+        ax.invert_yaxis()
+        ax.set(xlabel=label, title=title)
+        for i, r in enumerate(summary):
+            ax.text(r[value], i, f" {r[value]:.4g}", va="center", fontsize=8)
+        ax.grid(True, axis="x", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    return plot
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agree(value: bool) -> bool:
+    """Rank 0's decision, on every rank."""
+    decision = [value]
+    dist.broadcast_object_list(decision, src=0)
+    return decision[0]
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    """Rank 0 sends each row as soon as it is measured, so a later failure still leaves the earlier ones."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # one core per rank, as one GPU per rank
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.nproc,
+                            timeout=timedelta(seconds=args.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    start = time.perf_counter()
+    plan = [(r, v, args.attention) for r in range(args.rounds) for v in args.variants]
+    plan += [("matrix", v, a) for a in args.matrix_attention for v in MATRIX_STRATEGIES]
+    try:
+        for round_, variant, attention in plan:
+            if not _agree(time.perf_counter() - start < args.time_budget_s):
+                break
+            row = visit(variant, attention, args, device)
+            if row is not None:
+                queue.put({"round": round_, **row})
+                print(f"[{time.perf_counter() - start:6.1f}s] round {round_} {attention:>12} {variant:>16}: "
+                      f"{row['step_ms']:8.2f} ms  sync {row['sync_ms']:7.2f} ms  {row['peak_mem_GB']:6.2f} GB", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="xl", help="model size (tiny, small, medium, large, xl, 2.7b)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--context-length", type=int, default=512)
+    parser.add_argument("--vocab-size", type=int, default=None, help="default: the size's (10,000)")
+    parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
+    parser.add_argument("--nproc", type=int, default=None, help="processes, one per GPU (default: all GPUs, or 2 on CPU)")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--attention", default="sdpa", help="attention for the variant table")
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS,
+                        help="comma-separated; bucketed_<MB> for any bucket size")
+    parser.add_argument("--matrix", action="store_true",
+                        help="add attention × (single, naive, bucketed_25, torch_ddp)")
+    parser.add_argument("--matrix-attention", type=lambda s: s.split(","), default=None,
+                        help="attentions for --matrix (default: sdpa and flash_triton when registered)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the variants")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per visit")
+    parser.add_argument("--instrumented-steps", type=int, default=2, help="steps timed phase by phase")
+    parser.add_argument("--time-budget-s", type=float, default=float("inf"), help="start no visit after this")
+    parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.nproc is None:
+        args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
+    if args.device == "cuda" and args.nproc > torch.cuda.device_count():
+        parser.error(f"--nproc {args.nproc} needs that many GPUs; {torch.cuda.device_count()} visible")
+    if args.nproc < 2:
+        parser.error("--nproc must be at least 2 (the single-GPU baseline runs inside the same job)")
+    for name in [args.attention, *(args.matrix_attention or [])]:
+        if name not in attention_names():
+            parser.error(f"unknown attention {name!r}; registered: {', '.join(attention_names())}")
+    if args.matrix_attention is None:
+        args.matrix_attention = [a for a in ("sdpa", "flash_triton") if a in attention_names()] if args.matrix else []
+    for variant in args.variants:
+        if variant not in DEFAULT_VARIANTS and not variant.startswith("bucketed_"):
+            parser.error(f"unknown variant {variant!r}; choose from {', '.join(DEFAULT_VARIANTS)} or bucketed_<MB>")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    queue = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_worker, args=(args, _free_port(), queue), nprocs=args.nproc, join=True)
+    finally:
+        rows = []
+        while not queue.empty():
+            rows.append(queue.get())
+        if rows:
+            write_tables(rows, args)
+    return rows
+
+
+def write_tables(rows: list[dict], args: argparse.Namespace) -> None:
+    """The summary (+ per-round rows and plot) of the variant table, and the attention matrix."""
+    stem = f"ddp_{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
+    setup = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
+             f"{'fused ' if args.device == 'cuda' else ''}AdamW, {args.nproc} processes")
+    method = ("Plain PyTorch loop, processes started by torch.multiprocessing.spawn (no torchrun, no Trainer); "
+              f"variants interleaved over {args.rounds} rounds, a fresh model per visit; {args.warmup} warm-up, "
+              f"{args.steps} timed steps (median, slowest rank), {args.instrumented_steps} phase-instrumented steps. "
+              "sync_ms: gradient averaging left after backward (torch DDP waits inside backward, so 0 there). "
+              "scaling_eff: single-rank step time / step time. vs_torch_ddp: step-time ratio in the same round.")
+    columns = ["variant", "attention", "nproc", "step_ms", "vs_torch_ddp", "scaling_eff", "tokens_per_s", "forward_ms",
+               "backward_ms", "sync_ms", "optimizer_ms", "peak_mem_GB", "opt_state_GB", "replicas_equal", "rounds"]
+    main_rows = [r for r in rows if r["round"] != "matrix"]
+    if main_rows:
+        summary = summarize(main_rows)
+        write_results(f"{stem}_rounds", main_rows, title=f"Data-parallel step times per round: {setup}", notes=method,
+                      out_dir=args.out_dir)
+        write_results(stem, summary, title=f"Data-parallel strategies: {setup}",
+                      notes=method + "\n\n" + zero1_memory_notes(summary, args.nproc), columns=columns,
+                      plot=_bar_plot(summary, "step_ms", "step time (ms)", setup, False), out_dir=args.out_dir)
+    matrix_rows = [r for r in rows if r["round"] == "matrix"]
+    if matrix_rows:
+        for r in matrix_rows:
+            r["round"] = 0
+        matrix = summarize(matrix_rows)
+        write_results(f"ddp_attention_{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}", matrix,
+                      title=f"Attention × data-parallel strategy: {setup}", notes=method, columns=columns,
+                      plot=_bar_plot(matrix, "tokens_per_s", "tokens/s (all ranks)", setup, True), out_dir=args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The communication and data-parallel benchmarks run end to end on the CPU (gloo, two processes, tiny sizes)."""
+
+import csv
+
+from lm_systems.bench import comm, ddp
+
+
+def test_comm_bench_reports_bus_bandwidth(tmp_path):
+    rows = comm.main(["--backend", "gloo", "--nproc", "2", "--sizes-mb", "0.01,0.1", "--iters", "2",
+                      "--warmup", "1", "--out-dir", str(tmp_path)])
+    assert [r["size_mb"] for r in rows] == [0.01, 0.1]
+    for row in rows:
+        # Two ranks: bus bandwidth equals algorithm bandwidth, 2(n-1)/n = 1.
+        assert row["busbw_GBps"] > 0 and abs(row["busbw_GBps"] - row["algbw_GBps"]) < 1e-12
+        assert abs(row["algbw_GBps"] - row["size_mb"] * 1e6 / (row["time_ms"] * 1e-3) / 1e9) < 1e-9
+    assert {p.name for p in tmp_path.iterdir()} == {f"comm_gloo_2proc.{ext}" for ext in ("csv", "md", "png")}
+
+
+def test_ddp_bench_compares_variants_and_keeps_replicas_equal(tmp_path):
+    ddp.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device",
+              "cpu", "--nproc", "2", "--steps", "1", "--warmup", "1", "--instrumented-steps", "1", "--rounds", "1",
+              "--variants", "single,torch_ddp,bucketed_1,zero1", "--out-dir", str(tmp_path)])
+    with open(tmp_path / "ddp_tiny_2cpu.csv") as f:
+        summary = {row["variant"]: row for row in csv.DictReader(f)}
+    assert list(summary) == ["single", "torch_ddp", "bucketed_1", "zero1"]
+    assert all(row["replicas_equal"] == "True" for row in summary.values())
+    assert float(summary["torch_ddp"]["vs_torch_ddp"]) == 1.0
+    # ZeRO-1 keeps half of AdamW's state per rank on two ranks.
+    full, sharded = float(summary["bucketed_1"]["opt_state_GB"]), float(summary["zero1"]["opt_state_GB"])
+    assert 0.4 * full < sharded < 0.6 * full
+    assert (tmp_path / "ddp_tiny_2cpu.png").exists() and (tmp_path / "ddp_tiny_2cpu_rounds.csv").exists()
