@@ -293,8 +293,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                             timeout=timedelta(seconds=args.timeout_s),
                             device_id=device if device.type == "cuda" else None)
     start = time.perf_counter()
-    plan = [(r, v, args.attention) for r in range(args.rounds) for v in args.variants]
-    plan += [("matrix", v, a) for a in args.matrix_attention for v in MATRIX_STRATEGIES]
+    # Round 0, then the matrix, then the repeat rounds: a time budget cuts repeats before whole tables.
+    rounds = [[(r, v, args.attention) for v in args.variants] for r in range(args.rounds)]
+    matrix = [("matrix", v, a) for a in args.matrix_attention for v in MATRIX_STRATEGIES]
+    plan = rounds[0] + matrix + [visit for later in rounds[1:] for visit in later]
     try:
         for round_, variant, attention in plan:
             if not _agree(time.perf_counter() - start < args.time_budget_s):

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+import strategies  # noqa: F401  (registers the strategy names in worker processes too)
 from lm_systems.parallel import ShardedOptimizer
 
 VOCAB, DIM, SEQ = 23, 11, 6
@@ -95,12 +96,11 @@ class Recorder(Callback):
         self.out_dir, self.tag = out_dir, tag
         self.calls = 0
         self.per_batch: list[tuple[int, int]] = []
+        self._originals: dict = {}
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if not dist.is_initialized():
-            return
         for name in COMMUNICATING:
-            original = getattr(dist, name)
+            original = self._originals[name] = getattr(dist, name)
 
             def counting(*args, _original=original, **kwargs):
                 self.calls += 1
@@ -135,6 +135,8 @@ class Recorder(Callback):
             record["owned"] = [n for n, p in named if optimizer.owner(p) == trainer.global_rank]
             record["state_keys"] = [n for n, p in named if p in optimizer.local_optimizer.state]
         torch.save(record, Path(self.out_dir) / f"{self.tag}_rank{trainer.global_rank}.pt")
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
 
 
 def make_trainer(strategy, devices: int, out_dir: str, tag: str, accelerator: str = "cpu", **kwargs) -> L.Trainer:
@@ -157,17 +159,46 @@ def make_trainer(strategy, devices: int, out_dir: str, tag: str, accelerator: st
     )
 
 
-def run_externally_launched(rank: int, world_size: int, port: int, out_dir: str, names: list[str],
-                            precisions: list[str], accelerator: str = "gpu") -> None:
-    """One process per GPU started outside Lightning (as torchrun would): Lightning's popen launcher sees
-    LOCAL_RANK, starts no process and joins; every (strategy, precision) fit reuses the process group."""
+def join_as_launched_process(rank: int, world_size: int, port: int) -> None:
+    """Make this process look started by an external launcher (as torchrun would): Lightning's popen
+    launcher then starts nothing, and every Trainer in the process joins (and reuses) one process group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
+
+
+def run_cpu_strategies(rank: int, world_size: int, port: int, out_dir: str, names: list[str]) -> None:
+    """Each strategy once; zero1 keeps its end-of-epoch checkpoints and is then resumed from epoch 0's."""
+    join_as_launched_process(rank, world_size, port)
+    try:
+        for name in names:
+            if name == "zero1":
+                checkpoint = ModelCheckpoint(dirpath=Path(out_dir) / "zero1_ckpt", every_n_epochs=1, save_top_k=-1,
+                                             save_on_train_epoch_end=True)
+                trainer = make_trainer(name, world_size, out_dir, name, callbacks=[checkpoint])
+            else:
+                trainer = make_trainer(name, world_size, out_dir, name, enable_checkpointing=False)
+            trainer.fit(TinyLM(), datamodule=TinyData())
+        if "zero1" in names:
+            trainer = make_trainer("zero1", world_size, out_dir, "zero1_resumed", enable_checkpointing=False)
+            trainer.fit(TinyLM(), datamodule=TinyData(), ckpt_path=str(zero1_epoch0_checkpoint(out_dir)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def zero1_epoch0_checkpoint(out_dir) -> Path:
+    return Path(out_dir) / "zero1_ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+
+
+def run_gpu_strategies(rank: int, world_size: int, port: int, out_dir: str, names: list[str],
+                       precisions: list[str]) -> None:
+    """Every (strategy, precision) on one GPU per process; checkpoints on, so zero1 consolidates over NCCL."""
+    join_as_launched_process(rank, world_size, port)
     try:
         for precision in precisions:
             for name in names:
-                trainer = make_trainer(name, world_size, out_dir, f"{name}_{precision}", accelerator=accelerator,
-                                       precision=precision, enable_checkpointing=False)
+                trainer = make_trainer(name, world_size, out_dir, f"{name}_{precision}", accelerator="gpu",
+                                       precision=precision)
                 trainer.fit(TinyLM(), datamodule=TinyData())
     finally:
         if dist.is_initialized():

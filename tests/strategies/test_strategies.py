@@ -1,15 +1,22 @@
-"""naive_ddp, overlap_ddp, bucketed_ddp and zero1 on two CPU processes (gloo, spawn launcher) against
-single-process training on the same global batch: accumulation, clipping, LR schedule, validation,
-zero1's sharded state and its checkpoint resume."""
+"""naive_ddp, overlap_ddp, bucketed_ddp and zero1 on two CPU processes (gloo) against single-process training
+on the same global batch: accumulation, clipping, LR schedule, validation, teardown, zero1's sharded state
+and its checkpoint resume.
+
+The processes are started once with torch.multiprocessing and join Lightning as externally launched ones
+(the torchrun / SLURM path), so one start-up serves every strategy; one run goes through Lightning's own
+spawn launcher (``bucketed_ddp_spawn``)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+import torch.multiprocessing as mp
 
 import strategies  # noqa: F401  (registers the strategy names)
-from strategy_workers import ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer
+from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer,
+                              run_cpu_strategies, zero1_epoch0_checkpoint)
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1"]
 WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "DDPIndividualParameters", "bucketed_ddp": "DDPBucketed",
@@ -35,18 +42,11 @@ def reference(out_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(out_dir) -> dict[str, list[dict]]:
-    """Each strategy trained once on two spawned processes; zero1 also keeps its end-of-epoch checkpoints."""
-    results = {}
-    for name in STRATEGIES:
-        if name == "zero1":
-            checkpoint = ModelCheckpoint(dirpath=out_dir / "zero1_ckpt", every_n_epochs=1, save_top_k=-1,
-                                         save_on_train_epoch_end=True)
-            trainer = make_trainer(f"{name}_spawn", 2, str(out_dir), name, callbacks=[checkpoint])
-        else:
-            trainer = make_trainer(f"{name}_spawn", 2, str(out_dir), name, enable_checkpointing=False)
-        trainer.fit(TinyLM(), datamodule=TinyData())
-        results[name] = load_ranks(out_dir, name)
-    return results
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run_cpu_strategies, args=(2, port, str(out_dir), STRATEGIES), nprocs=2, join=True)
+    return {name: load_ranks(out_dir, name) for name in [*STRATEGIES, "zero1_resumed"]}
 
 
 def assert_state_close(actual: dict, expected: dict) -> None:
@@ -86,6 +86,13 @@ def test_validation_runs_through_the_wrapper(runs, reference, name):
         assert runs[name][rank]["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
 
 
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_teardown_removes_hooks_and_unwraps(runs, name):
+    for rank in range(2):
+        assert runs[name][rank]["unwrapped"]
+        assert runs[name][rank]["hooks_left"] == 0
+
+
 def test_zero1_ranks_hold_state_only_for_their_shard(runs):
     owned = [set(runs["zero1"][r]["owned"]) for r in range(2)]
     assert owned[0] and owned[1] and owned[0].isdisjoint(owned[1])
@@ -94,24 +101,21 @@ def test_zero1_ranks_hold_state_only_for_their_shard(runs):
 
 
 def test_zero1_resumes_from_its_consolidated_checkpoint(runs, out_dir):
-    """Stop after epoch 0, resume from the checkpoint: the same trajectory as the uninterrupted run."""
-    checkpoint = out_dir / "zero1_ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
-    saved = torch.load(checkpoint, weights_only=False)
+    """Stopped after epoch 0 and resumed from its checkpoint: the uninterrupted run's trajectory."""
+    saved = torch.load(zero1_epoch0_checkpoint(out_dir), weights_only=False)
     (optimizer_state,) = saved["optimizer_states"]
     assert len(optimizer_state["state"]) == 3, "one consolidated state for every trainable parameter"
-    trainer = make_trainer("zero1_spawn", 2, str(out_dir), "zero1_resumed", enable_checkpointing=False)
-    trainer.fit(TinyLM(), datamodule=TinyData(), ckpt_path=str(checkpoint))
-    resumed = load_ranks(out_dir, "zero1_resumed")
     for rank in range(2):
-        assert_state_close(resumed[rank]["final"], runs["zero1"][rank]["final"])
-        assert resumed[rank]["lrs"] == pytest.approx(runs["zero1"][rank]["lrs"][STEPS_PER_EPOCH:])
+        assert_state_close(runs["zero1_resumed"][rank]["final"], runs["zero1"][rank]["final"])
+        assert runs["zero1_resumed"][rank]["lrs"] == pytest.approx(runs["zero1"][rank]["lrs"][STEPS_PER_EPOCH:])
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_teardown_removes_hooks_and_unwraps(runs, name):
-    for rank in range(2):
-        assert runs[name][rank]["unwrapped"]
-        assert runs[name][rank]["hooks_left"] == 0
+def test_spawn_variant_through_lightnings_launcher(out_dir, reference):
+    trainer = make_trainer("bucketed_ddp_spawn", 2, str(out_dir), "bucketed_spawn", enable_checkpointing=False)
+    trainer.fit(TinyLM(), datamodule=TinyData())
+    for result in load_ranks(out_dir, "bucketed_spawn"):
+        assert result["wrapper"] == "DDPBucketed"
+        assert_state_close(result["final"], reference["final"])
 
 
 def test_bad_bucket_size_names_the_option():

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 import strategies  # noqa: F401  (registers the strategy names)
-from strategy_workers import TinyData, TinyLM, make_trainer, run_externally_launched
+from strategy_workers import TinyData, TinyLM, make_trainer, run_gpu_strategies
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1"]
 PRECISIONS = ["bf16-mixed", "16-mixed"]
@@ -27,7 +27,7 @@ def out_dir(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run_externally_launched, args=(2, port, str(out), STRATEGIES, PRECISIONS), nprocs=2, join=True)
+    mp.spawn(run_gpu_strategies, args=(2, port, str(out), STRATEGIES, PRECISIONS), nprocs=2, join=True)
     return out
 
 
