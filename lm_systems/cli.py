@@ -9,6 +9,8 @@ from typing import Optional, Union
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
+
 from lm_systems.checkpointing import IntervalCheckpoint
 from lm_systems.config import MODEL_SIZES
 from lm_systems.data.datamodule import LMDataModule
