@@ -46,13 +46,13 @@ class DDPBucketed(OverlappedDDP):
         params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(module, assign_buckets(list(reversed(params)), bucket_size_mb))
         self.bucket_size_mb = bucket_size_mb
-        self._buffers: list[torch.Tensor] = []
-        self._views: list[list[torch.Tensor]] = []
+        self._flat_buffers: list[torch.Tensor] = []
+        self._grad_views: list[list[torch.Tensor]] = []
         for bucket in self._units:
             buffer = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
             chunks = buffer.split([p.numel() for p in bucket])
-            self._buffers.append(buffer)
-            self._views.append([chunk.view_as(p) for chunk, p in zip(chunks, bucket)])
+            self._flat_buffers.append(buffer)
+            self._grad_views.append([chunk.view_as(p) for chunk, p in zip(chunks, bucket)])
 
     @property
     def buckets(self) -> list[list[nn.Parameter]]:
@@ -60,20 +60,20 @@ class DDPBucketed(OverlappedDDP):
         return self._units
 
     def _place_gradient(self, unit: int, index: int, param: nn.Parameter) -> None:
-        view = self._views[unit][index]
+        view = self._grad_views[unit][index]
         if param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
             param.grad = view
 
     def _launch(self, unit: int) -> PendingAverage:
-        return PendingAverage(self._buffers[unit])
+        return PendingAverage(self._flat_buffers[unit])
 
     def _prepare_late(self, unit: int) -> None:
         for index, param in enumerate(self._units[unit]):
             if param.grad is None:
-                self._views[unit][index].zero_()
+                self._grad_views[unit][index].zero_()
             else:
                 self._place_gradient(unit, index, param)
 
     def _averaged(self, unit: int, index: int) -> torch.Tensor:
-        return self._views[unit][index]
+        return self._grad_views[unit][index]
