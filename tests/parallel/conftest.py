@@ -1,8 +1,10 @@
 """Spawning two gloo ranks for the container tests."""
 
 import socket
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -20,3 +22,12 @@ def _spawn_two_ranks(worker, out_dir) -> None:
 @pytest.fixture(scope="session")
 def spawn_two_ranks():
     return _spawn_two_ranks
+
+
+@pytest.fixture
+def single_rank_group():
+    """A one-process gloo group in this process, destroyed afterwards."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()

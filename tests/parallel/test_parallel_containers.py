@@ -1,11 +1,7 @@
 """NaiveDDP, DDPIndividualParameters and DDPBucketed on two gloo ranks against single-process training."""
 
-import socket
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from parallel_workers import CONTAINERS, ToyNet, run_containers
 
@@ -68,19 +64,8 @@ def test_naive_containers_communicate_only_after_backward(runs, name):
     assert max(runs[0][name]["all_reduces_during_backward"]) == 0
 
 
-@pytest.fixture
-def world_of_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", CONTAINERS)
-def test_containers_stay_ordinary_modules(world_of_one, name):
+def test_containers_stay_ordinary_modules(single_rank_group, name):
     """A wrapper's own bookkeeping must not shadow nn.Module internals (state_dict, buffers, attributes)."""
     model = ToyNet()
     wrapper = CONTAINERS[name](model)

@@ -1,11 +1,7 @@
 """ShardedOptimizer (ZeRO-1) on two gloo ranks: trajectory, sharded state, consolidation, loading across world sizes."""
 
-import socket
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from parallel_workers import ToyNet, make_optimizer, run_sharded
 
@@ -64,17 +60,6 @@ def test_loading_a_single_process_state_on_two_ranks_continues_its_trajectory(ru
     for rank in range(2):
         assert_state_close(runs[rank]["resumed_from_single_process"]["final"],
                            runs[0]["resumed_from_single_process"]["reference"])
-
-
-@pytest.fixture
-def single_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 def test_consolidated_state_from_two_ranks_loads_on_one(runs, single_rank_group):
