@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import sys
-import zipfile
-from pathlib import Path
 from typing import Optional, Union
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -12,8 +10,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
 
 from lm_systems.checkpointing import IntervalCheckpoint
-from lm_systems.config import MODEL_SIZES
+from lm_systems.config import ModelConfig
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.generate import require_checkpoint_file
 from lm_systems.lit_module import LitLM
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -42,11 +41,7 @@ TRAINER_DEFAULTS = {
 
 
 def _data_context_length(size: str, context_length: Optional[int]) -> int:
-    if context_length is not None:
-        return context_length
-    if size not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {size!r} (set --model.size to one of: {', '.join(MODEL_SIZES)})")
-    return MODEL_SIZES[size].context_length
+    return ModelConfig.from_name(size, context_length=context_length).context_length
 
 
 class LMCLI(LightningCLI):
@@ -71,11 +66,7 @@ class LMCLI(LightningCLI):
                 config.trainer[name] = config[name]
         ckpt_path = config.get("ckpt_path")
         if ckpt_path not in (None, "last", "best", "hpc", "registry"):
-            path = Path(ckpt_path)
-            if not path.is_file():
-                raise FileNotFoundError(f"--ckpt_path {ckpt_path!r} does not exist")
-            if not zipfile.is_zipfile(path):
-                raise ValueError(f"--ckpt_path {ckpt_path!r} is not a readable PyTorch checkpoint")
+            require_checkpoint_file(ckpt_path, "--ckpt_path")
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)  # with the callbacks from YAML and --trainer.callbacks

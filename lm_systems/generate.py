@@ -67,13 +67,19 @@ def sample_text(model: TransformerLM, tokenizer: Tokenizer, prompt: str, **kwarg
     return tokenizer.decode(prompt_ids + sample(model, prompt_ids, eot_id=eot_id, **kwargs))
 
 
-def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[TransformerLM, Tokenizer]:
-    """The model and tokenizer stored in a LitLM checkpoint, with an error naming --ckpt if it can't be read."""
+def require_checkpoint_file(path: str | Path, flag: str) -> Path:
+    """``path`` as a Path if it holds a PyTorch checkpoint; otherwise an error naming ``flag``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist: check --ckpt")
+        raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
     if not zipfile.is_zipfile(path):
-        raise ValueError(f"{str(path)!r} is not a readable PyTorch checkpoint: check --ckpt")
+        raise ValueError(f"{flag} {str(path)!r} is not a readable PyTorch checkpoint")
+    return path
+
+
+def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[TransformerLM, Tokenizer]:
+    """The model and tokenizer stored in a LitLM checkpoint, with an error naming --ckpt if it can't be read."""
+    path = require_checkpoint_file(path, "--ckpt")
     ckpt = torch.load(path, map_location=map_location, weights_only=False)
     if "model_config" not in ckpt or "tokenizer" not in ckpt:
         raise ValueError(f"{str(path)!r} was not written by lm_systems training (no model config or tokenizer)")

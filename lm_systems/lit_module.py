@@ -79,6 +79,7 @@ class LitLM(L.LightningModule):
         self.flops_per_batch: float | None = None
         self.val_loss = MeanMetric()
         self._last_step_time: float | None = None
+        self._compiled = False
 
     @property
     def context_length(self) -> int:
@@ -109,8 +110,9 @@ class LitLM(L.LightningModule):
         if data_context is not None and getattr(datamodule, "batch_size", None):
             tokens = datamodule.batch_size * data_context
             self.flops_per_batch = self.model.flops_per_token(data_context) * tokens
-        if self.hparams.compile:
+        if self.hparams.compile and not self._compiled:  # setup runs once per stage (fit, validate, …)
             self.model.compile()
+            self._compiled = True
         rank_zero_info(
             f"TransformerLM {self.hparams.size}: {self.model.num_parameters() / 1e6:.2f}M parameters, "
             f"{self.model.flops_per_token(data_context) / 1e6:.1f} MFLOP/token (training), "

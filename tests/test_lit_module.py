@@ -88,3 +88,13 @@ def test_data_windows_longer_than_the_model_context_name_the_flag(cache_dir, tmp
 def test_bad_model_arguments_fail_at_construction(kwargs, key):
     with pytest.raises(ValueError, match=key):
         LitLM(**{**SMALL_MODEL, **kwargs})
+
+
+def test_compile_happens_once_across_stages(cache_dir, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr("lm_systems.model.TransformerLM.compile", lambda self, *a, **k: calls.append(self))
+    model, data = LitLM(**SMALL_MODEL, compile=True), datamodule(cache_dir)
+    t = trainer(tmp_path, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0)
+    t.fit(model, datamodule=data)
+    t.validate(model, datamodule=data, verbose=False)
+    assert calls == [model.model]
