@@ -47,10 +47,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` (..., T, d_head) at integer ``positions`` (T,)."""
-        cos = self.cos[positions].to(x.dtype)  # (T, d/2)
-        sin = self.sin[positions].to(x.dtype)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` (..., T, d_head) at integer ``positions`` (T,); by default 0 … T-1 (a slice, no gather)."""
+        cos = self.cos[: x.shape[-2]] if positions is None else self.cos[positions]  # (T, d/2)
+        sin = self.sin[: x.shape[-2]] if positions is None else self.sin[positions]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -70,8 +71,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, dh)
-        positions = torch.arange(T, device=x.device)
-        q, k = self.rope(q, positions), self.rope(k, positions)
+        q, k = self.rope(q), self.rope(k)
         attend = get_attention(self.attention_name, x.device)
         y = attend(q, k, v, True)  # (B, H, T, dh)
         return self.out(y.transpose(1, 2).reshape(B, T, D))

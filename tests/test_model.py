@@ -44,6 +44,8 @@ def test_rope_scores_depend_only_on_relative_position():
         torch.testing.assert_close(score(5 + offset, 2 + offset), score(5, 2), rtol=1e-6, atol=1e-6)
     assert not torch.isclose(score(5, 2), score(5, 3))
     torch.testing.assert_close(rope(q[None], torch.tensor([7])).norm(), q.norm())  # a rotation
+    x = torch.randn(2, 9, 16)
+    torch.testing.assert_close(rope(x), rope(x, torch.arange(9)), rtol=0, atol=0)  # default: positions 0 … T-1
 
 
 def test_logits_shape_and_parameter_count():
