@@ -234,34 +234,44 @@ FLASH_IMPLS = ["naive", "naive_compiled", "sdpa_flash", "sdpa_cudnn", "flash_tor
 def flash_sweep(args) -> None:
     """Batch 1, one head, causal: every implementation at every (N, d, dtype, shape), in one run."""
     impls = implementations(args.flash_impls)
-    rows = []
-    for dtype_name in args.flash_dtypes:
-        for d in args.flash_head_dims:
-            for n in args.flash_seq_lens:
-                for shape in ("square", "rect"):
-                    n_q = n if shape == "square" else n // 4  # rectangular: a chunk of queries over a longer cache
-                    flops = attention_flops(args.flash_heads, n_q, n, d, True)
-                    q, k, v = _qkv(1, args.flash_heads, n_q, n, d, DTYPES[dtype_name])
-                    for name, fn in impls.items():
-                        if name == "flash_torch" and n_q * n > args.flash_torch_max_pairs:
-                            times = dict.fromkeys(flops, "skipped")
-                        else:
-                            times = time_attention(fn, q, k, v, True, args.rep_ms)
-                        row = {"impl": name, "dtype": dtype_name, "d": d, "N_q": n_q, "N_k": n}
-                        for part in ("fwd", "bwd", "fwd+bwd"):
-                            t = times[part]
-                            row[f"{part}_ms"] = t
-                            row[f"{part}_TFLOPs"] = flops[part] / t / 1e9 if isinstance(t, float) else ""
-                        rows.append(row)
-                    q = k = v = None
-                    print(f"{dtype_name} d={d} N_q={n_q} N_k={n}: " + ", ".join(
-                        f"{r['impl']} {_fmt(r['fwd+bwd_ms'])}" for r in rows[-len(impls):]), flush=True)
+    rows: list[dict] = []
+    try:
+        for dtype_name in args.flash_dtypes:
+            for d in args.flash_head_dims:
+                for n in args.flash_seq_lens:
+                    for shape in ("square", "rect"):
+                        n_q = n if shape == "square" else n // 4  # rectangular: a chunk of queries over a longer cache
+                        flops = attention_flops(args.flash_heads, n_q, n, d, True)
+                        q, k, v = _qkv(1, args.flash_heads, n_q, n, d, DTYPES[dtype_name])
+                        for name, fn in impls.items():
+                            if name == "flash_torch" and n_q * n > args.flash_torch_max_pairs:
+                                times = dict.fromkeys(flops, "skipped")
+                            else:
+                                times = time_attention(fn, q, k, v, True, args.rep_ms)
+                            row = {"impl": name, "dtype": dtype_name, "d": d, "N_q": n_q, "N_k": n}
+                            for part in ("fwd", "bwd", "fwd+bwd"):
+                                t = times[part]
+                                row[f"{part}_ms"] = t
+                                row[f"{part}_TFLOPs"] = flops[part] / t / 1e9 if isinstance(t, float) else ""
+                            rows.append(row)
+                        q = k = v = None
+                        print(f"{dtype_name} d={d} N_q={n_q} N_k={n}: " + ", ".join(
+                            f"{r['impl']} {_fmt(r['fwd+bwd_ms'])}" for r in rows[-len(impls):]), flush=True)
+    finally:  # a time limit (SIGINT) or a crash still leaves the points measured so far
+        _write_flash(rows, args, complete=len(rows) == len(impls) * 2 * len(args.flash_dtypes)
+                     * len(args.flash_head_dims) * len(args.flash_seq_lens))
+
+
+def _write_flash(rows: list[dict], args, complete: bool) -> None:
+    if not rows:
+        return
     columns = ["impl", "dtype", "d", "N_q", "N_k", "fwd_ms", "bwd_ms", "fwd+bwd_ms",
                "fwd_TFLOPs", "bwd_TFLOPs", "fwd+bwd_TFLOPs"]
     write_results(
         "attention_flash_sweep", rows, f"Attention implementations: batch 1, {args.flash_heads} head(s), causal",
         notes=(
-            "Median of triton.testing.do_bench "
+            ("" if complete else "**Partial run: stopped before the grid was done.** ")
+            + "Median of triton.testing.do_bench "
             f"(rep {args.rep_ms} ms). 'rect' rows: N_q = N_k / 4, queries end-aligned to the keys. "
             "TFLOP/s count only the (query, key) pairs causal attention keeps (forward 4·d per pair, "
             "backward 2.5×). OOM: out of memory; unsupported: the backend refused the dtype or shape; "
