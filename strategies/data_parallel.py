@@ -10,6 +10,11 @@ logging are Lightning's own. What changes is the model wrapper and where gradien
 - ``post_backward`` calls ``finish_gradient_synchronization()`` after a syncing backward, before the
   precision plugin's unscaling, clipping and ``on_before_optimizer_step``, which thus see averaged gradients;
 - ``teardown`` removes the container's gradient hooks and unwraps the module.
+
+Every strategy takes ``comm_high_priority`` (default on; NCCL only): gradients are averaged on a process
+group of their own whose stream is high priority, so the all-reduces overlapping backward get SMs as
+soon as backward's kernels free them; and ``grad_comm_dtype`` ("bf16"/"fp16"): gradients cross the wire
+in that dtype (half the bytes of fp32) and the mean is cast back.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from datetime import timedelta
 from typing import Any, ClassVar, Literal, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
@@ -30,9 +36,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn import Module
 from typing_extensions import override
 
-from lm_systems.parallel import DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP
+from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP,
+                                 gradient_process_group)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ContainerDDPStrategy(DDPStrategy):
@@ -51,7 +59,12 @@ class ContainerDDPStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
+        comm_high_priority: bool = True,
+        grad_comm_dtype: Optional[Literal["bf16", "fp16"]] = None,
     ) -> None:
+        if grad_comm_dtype is not None and grad_comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"grad_comm_dtype must be one of {sorted(COMM_DTYPES)} or None, got {grad_comm_dtype!r} "
+                             "(strategy init_args.grad_comm_dtype)")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -62,14 +75,19 @@ class ContainerDDPStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        self._comm_high_priority = comm_high_priority
+        self._grad_comm_dtype = COMM_DTYPES.get(grad_comm_dtype) if grad_comm_dtype else None
+        self._grad_group: Optional[dist.ProcessGroup] = None
 
     @abstractmethod
-    def wrap(self, module: Module) -> DataParallelModule:
-        """The container this strategy trains through."""
+    def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
+        """The container this strategy trains through; ``comm`` goes to its constructor."""
 
     @override
     def _setup_model(self, model: Module) -> DataParallelModule:
-        return self.wrap(model)
+        if self._comm_high_priority and self._grad_group is None:
+            self._grad_group = gradient_process_group(high_priority=True)  # None unless NCCL
+        return self.wrap(model, process_group=self._grad_group, grad_comm_dtype=self._grad_comm_dtype)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -96,6 +114,9 @@ class ContainerDDPStrategy(DDPStrategy):
         if isinstance(self.model, DataParallelModule):
             self.model.remove_hooks()
             self.model = self.lightning_module
+        if self._grad_group is not None:
+            dist.destroy_process_group(self._grad_group)
+            self._grad_group = None
         super().teardown()
 
     @classmethod
@@ -121,8 +142,8 @@ class NaiveDDPStrategy(ContainerDDPStrategy):
         self._flat = flat
 
     @override
-    def wrap(self, module: Module) -> DataParallelModule:
-        return NaiveDDP(module, flat=self._flat)
+    def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
+        return NaiveDDP(module, flat=self._flat, **comm)
 
 
 class OverlapDDPStrategy(ContainerDDPStrategy):
@@ -132,8 +153,8 @@ class OverlapDDPStrategy(ContainerDDPStrategy):
     strategy_description = "DDPIndividualParameters: per-parameter all-reduce overlapped with backward"
 
     @override
-    def wrap(self, module: Module) -> DataParallelModule:
-        return DDPIndividualParameters(module)
+    def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
+        return DDPIndividualParameters(module, **comm)
 
 
 class BucketedDDPStrategy(ContainerDDPStrategy):
@@ -149,5 +170,5 @@ class BucketedDDPStrategy(ContainerDDPStrategy):
         self._bucket_size_mb = bucket_size_mb
 
     @override
-    def wrap(self, module: Module) -> DataParallelModule:
-        return DDPBucketed(module, bucket_size_mb=self._bucket_size_mb)
+    def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
+        return DDPBucketed(module, bucket_size_mb=self._bucket_size_mb, **comm)

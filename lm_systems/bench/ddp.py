@@ -13,8 +13,16 @@ synchronisation alone). Variants, all interleaved round by round, a fresh model 
 - ``zero1`` (p2p parameter exchange), ``zero1_broadcast``: DDPBucketed (25 MB) + ShardedOptimizer;
   ``torch_zero``: torch DDP + torch's ZeroRedundancyOptimizer, its baseline.
 
+A variant may carry options after ``+`` (any DDP variant, ours or torch's, so both get the same):
+``+hp`` all-reduces on an NCCL group with a high-priority stream, ``+ctas<k>`` caps that group's
+all-reduces at k thread blocks, ``+normal`` uses such a group at normal priority, ``+bf16`` sends
+gradients in bf16 (torch DDP through its ``bf16_compress_hook``). E.g. ``bucketed_25+hp``,
+``torch_ddp+hp+bf16``.
+
 Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
-instrumented steps (forward, backward, gradient sync left after backward, optimizer), tokens/s,
+instrumented steps (forward, backward, gradient sync left after backward, optimizer), with
+``--profile`` the kernel timeline of one profiled step on rank 0 (NCCL time, the share of it hidden
+under compute, the GPU's idle time within the step), tokens/s,
 scaling efficiency (single-rank step time / step time: per-rank throughput against one GPU), peak
 memory and optimizer-state bytes per rank, and whether all replicas hold identical weights after
 training. Ratios to ``torch_ddp`` are taken within each round, then the median over rounds.
@@ -44,16 +52,19 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from lm_systems.attention import attention_names
+from lm_systems.bench.gpu_timeline import profile_kernels
 from lm_systems.bench.report import RESULTS_DIR, write_results
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
-from lm_systems.parallel import DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer
+from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer,
+                                 gradient_process_group)
 
 GB = 1e9
 DEFAULT_VARIANTS = ["single", "torch_ddp", "torch_ddp_view", "naive", "naive_flat", "overlap", "bucketed_1",
                     "bucketed_10", "bucketed_25", "bucketed_100", "bucketed_1000", "zero1", "zero1_broadcast",
                     "torch_zero"]
 MATRIX_STRATEGIES = ["single", "naive", "bucketed_25", "torch_ddp"]
+TIMELINE_COLUMNS = ["comm_ms", "comm_hidden_frac", "comm_exposed_ms", "gpu_idle_ms", "gpu_span_ms"]
 
 
 @dataclass
@@ -66,36 +77,81 @@ class Run:
     cleanup: list[Callable[[], None]] = field(default_factory=list)
 
 
-def build(variant: str, config: ModelConfig, device: torch.device, lr: float = 1e-4) -> Run:
+@dataclass(frozen=True)
+class Variant:
+    """A parsed variant name: ``base[+option...]``."""
+
+    base: str
+    high_priority: bool | None = None  # None: the default group; True / False: a group of our own
+    max_ctas: int | None = None
+    bf16_comm: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> "Variant":
+        base, *options = name.split("+")
+        if base not in DEFAULT_VARIANTS and not (base.startswith("bucketed_") and _is_number(base[9:])):
+            raise ValueError(f"unknown variant {base!r}: choose from {', '.join(DEFAULT_VARIANTS)} or bucketed_<MB>")
+        fields: dict = {}
+        for option in options:
+            if option in ("hp", "normal"):
+                fields["high_priority"] = option == "hp"
+            elif option.startswith("ctas") and option[4:].isdigit():
+                fields["max_ctas"] = int(option[4:])
+                fields.setdefault("high_priority", True)
+            elif option == "bf16":
+                fields["bf16_comm"] = True
+            else:
+                raise ValueError(f"unknown option {option!r} in variant {name!r} (options: +hp, +normal, +ctas<k>, +bf16)")
+        if options and base == "single":
+            raise ValueError("the single-GPU baseline takes no communication options")
+        return cls(base, **fields)
+
+    @property
+    def group_key(self) -> tuple[bool, int | None] | None:
+        return None if self.high_priority is None else (self.high_priority, self.max_ctas)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def build(variant: Variant, config: ModelConfig, device: torch.device, group: dist.ProcessGroup | None,
+          lr: float = 1e-4) -> Run:
     torch.manual_seed(0)
     with device:
         model = TransformerLM(config)
     adamw = dict(lr=lr, fused=device.type == "cuda")
-    ddp_ids = [device.index] if device.type == "cuda" else None
-    if variant == "single":
+    comm = dict(process_group=group, grad_comm_dtype=torch.bfloat16 if variant.bf16_comm else None)
+    base = variant.base
+    if base == "single":
         return Run(model, torch.optim.AdamW(model.parameters(), **adamw))
-    if variant in ("torch_ddp", "torch_ddp_view"):
-        wrapped = DistributedDataParallel(model, device_ids=ddp_ids, gradient_as_bucket_view=variant.endswith("view"))
+    if base in ("torch_ddp", "torch_ddp_view", "torch_zero"):
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                          gradient_as_bucket_view=base.endswith("view"), process_group=group)
+        if variant.bf16_comm:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            wrapped.register_comm_hook(group, bf16_compress_hook)
+        if base == "torch_zero":
+            return Run(wrapped, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw))
         return Run(wrapped, torch.optim.AdamW(model.parameters(), **adamw))
-    if variant == "torch_zero":
-        wrapped = DistributedDataParallel(model, device_ids=ddp_ids)
-        return Run(wrapped, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw))
-    if variant in ("zero1", "zero1_broadcast"):
-        container = DDPBucketed(model, bucket_size_mb=25)
-        exchange = "broadcast" if variant.endswith("broadcast") else "p2p"
+    if base in ("zero1", "zero1_broadcast"):
+        container = DDPBucketed(model, bucket_size_mb=25, **comm)
+        exchange = "broadcast" if base.endswith("broadcast") else "p2p"
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, exchange=exchange, **adamw)
         return Run(container, optimizer, container.finish_gradient_synchronization, [container.remove_hooks])
     containers: dict[str, Callable[[], DataParallelModule]] = {
-        "naive": lambda: NaiveDDP(model),
-        "naive_flat": lambda: NaiveDDP(model, flat=True),
-        "overlap": lambda: DDPIndividualParameters(model),
+        "naive": lambda: NaiveDDP(model, **comm),
+        "naive_flat": lambda: NaiveDDP(model, flat=True, **comm),
+        "overlap": lambda: DDPIndividualParameters(model, **comm),
     }
-    if variant.startswith("bucketed_"):
-        container = DDPBucketed(model, bucket_size_mb=float(variant.split("_", 1)[1]))
-    elif variant in containers:
-        container = containers[variant]()
+    if base.startswith("bucketed_"):
+        container = DDPBucketed(model, bucket_size_mb=float(base.split("_", 1)[1]), **comm)
     else:
-        raise ValueError(f"unknown variant {variant!r} (--variants takes: {', '.join(DEFAULT_VARIANTS)}, bucketed_<MB>)")
+        container = containers[base]()
     return Run(container, torch.optim.AdamW(model.parameters(), **adamw), container.finish_gradient_synchronization,
                [container.remove_hooks])
 
@@ -152,9 +208,11 @@ def measure(run: Run, batches: list[torch.Tensor], args: argparse.Namespace, dev
     for i in range(args.instrumented_steps):
         _sync(device)
         step(batches[i % len(batches)], phases)
+    timeline = profile_kernels(lambda: step(batches[0])) if args.profile else {}
     params = [p for p in run.optimizer.param_groups[0]["params"]]
     checksum = torch.stack([p.detach().double().sum() for p in params]).sum().item()
     return {
+        "timeline": timeline,
         "step_s": statistics.median(step_times),
         **{f"{k}_s": statistics.median(v) if v else float("nan") for k, v in phases.items()},
         "peak_mem": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan"),
@@ -163,13 +221,19 @@ def measure(run: Run, batches: list[torch.Tensor], args: argparse.Namespace, dev
     }
 
 
-def visit(variant: str, attention: str, args: argparse.Namespace, device: torch.device) -> dict | None:
-    """Build, measure and free one variant; rank 0 returns the row (slowest rank's time, largest memory),
-    or None when it failed (the error is printed)."""
+def visit(name: str, attention: str, args: argparse.Namespace, device: torch.device,
+          groups: dict[tuple, dist.ProcessGroup | None]) -> dict | None:
+    """Build, measure and free one variant; rank 0 returns the row (slowest rank's time, largest memory,
+    rank 0's kernel timeline), or None when it failed (the error is printed). ``groups`` caches the
+    communication groups variants ask for (created on every rank, in the same order)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=attention,
                                    vocab_size=args.vocab_size)
-    runs_here = variant != "single" or rank == 0
+    variant = Variant.parse(name)
+    if variant.group_key is not None and variant.group_key not in groups:
+        groups[variant.group_key] = gradient_process_group(*variant.group_key)
+    group = groups.get(variant.group_key)
+    runs_here = variant.base != "single" or rank == 0
     result = None
     if runs_here:
         gc.collect()
@@ -177,7 +241,7 @@ def visit(variant: str, attention: str, args: argparse.Namespace, device: torch.
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            run = build(variant, config, device)
+            run = build(variant, config, device, group)
             g = torch.Generator(device=device).manual_seed(1000 + rank)
             batches = [torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1),
                                      device=device, generator=g) for _ in range(2)]
@@ -195,17 +259,18 @@ def visit(variant: str, attention: str, args: argparse.Namespace, device: torch.
     ranks = [r for r in per_rank if r is not None]
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
-        print(f"{variant} with {attention} attention failed: {errors[0]}", flush=True)
+        print(f"{name} with {attention} attention failed: {errors[0]}", flush=True)
         return None
-    nproc = 1 if variant == "single" else world
+    nproc = 1 if variant.base == "single" else world
     step_s = max(r["step_s"] for r in ranks)
     row = {
-        "variant": variant, "attention": attention, "nproc": nproc, "step_ms": step_s * 1e3,
+        "variant": name, "attention": attention, "nproc": nproc, "step_ms": step_s * 1e3,
         **{f"{k}_ms": max(r[f"{k}_s"] for r in ranks) * 1e3 for k in ("forward", "backward", "sync", "optimizer")},
         "tokens_per_s": nproc * args.batch_size * args.context_length / step_s,
         "peak_mem_GB": max(r["peak_mem"] for r in ranks) / GB,
         "opt_state_GB": max(r["opt_state"] for r in ranks) / GB,
         "replicas_equal": len({r["checksum"] for r in ranks}) == 1,
+        **ranks[0]["timeline"],
     }
     return row
 
@@ -217,8 +282,10 @@ def summarize(rows: list[dict], baseline: str = "torch_ddp") -> list[dict]:
         mine = [r for r in rows if (r["variant"], r["attention"]) == key]
         out = {k: mine[0][k] for k in ("variant", "attention", "nproc")}
         for k in ("step_ms", "forward_ms", "backward_ms", "sync_ms", "optimizer_ms", "tokens_per_s", "peak_mem_GB",
-                  "opt_state_GB"):
-            out[k] = statistics.median(r[k] for r in mine)
+                  "opt_state_GB", *TIMELINE_COLUMNS):
+            values = [r[k] for r in mine if k in r]
+            if values:
+                out[k] = statistics.median(values)
         same_round = {(r["round"], r["variant"], r["attention"]): r["step_ms"] for r in rows}
         for name, other in ((f"vs_{baseline}", baseline), ("scaling_eff", "single")):
             ratios = [same_round[(r["round"], other, r["attention"])] for r in mine
@@ -297,16 +364,20 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     rounds = [[(r, v, args.attention) for v in args.variants] for r in range(args.rounds)]
     matrix = [("matrix", v, a) for a in args.matrix_attention for v in MATRIX_STRATEGIES]
     plan = rounds[0] + matrix + [visit for later in rounds[1:] for visit in later]
+    groups: dict[tuple, dist.ProcessGroup | None] = {}
     try:
         for round_, variant, attention in plan:
             if not _agree(time.perf_counter() - start < args.time_budget_s):
                 break
-            row = visit(variant, attention, args, device)
+            row = visit(variant, attention, args, device, groups)
             if row is not None:
                 queue.put({"round": round_, **row})
                 print(f"[{time.perf_counter() - start:6.1f}s] round {round_} {attention:>12} {variant:>16}: "
                       f"{row['step_ms']:8.2f} ms  sync {row['sync_ms']:7.2f} ms  {row['peak_mem_GB']:6.2f} GB", flush=True)
     finally:
+        for group in groups.values():
+            if group is not None:
+                dist.destroy_process_group(group)
         dist.destroy_process_group()
 
 
@@ -321,7 +392,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--attention", default="sdpa", help="attention for the variant table")
     parser.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS,
-                        help="comma-separated; bucketed_<MB> for any bucket size")
+                        help="comma-separated; bucketed_<MB> for any bucket size; options after '+': "
+                             "+hp, +normal, +ctas<k>, +bf16 (see above)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one extra step per visit: NCCL time, share hidden under compute, GPU idle")
     parser.add_argument("--matrix", action="store_true",
                         help="add attention × (single, naive, bucketed_25, torch_ddp)")
     parser.add_argument("--matrix-attention", type=lambda s: s.split(","), default=None,
@@ -348,8 +422,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.matrix_attention is None:
         args.matrix_attention = [a for a in ("sdpa", "flash_triton") if a in attention_names()] if args.matrix else []
     for variant in args.variants:
-        if variant not in DEFAULT_VARIANTS and not variant.startswith("bucketed_"):
-            parser.error(f"unknown variant {variant!r}; choose from {', '.join(DEFAULT_VARIANTS)} or bucketed_<MB>")
+        try:
+            Variant.parse(variant)
+        except ValueError as error:
+            parser.error(f"--variants: {error}")
     return args
 
 
@@ -378,7 +454,8 @@ def write_tables(rows: list[dict], args: argparse.Namespace) -> None:
               "sync_ms: gradient averaging left after backward (torch DDP waits inside backward, so 0 there). "
               "scaling_eff: single-rank step time / step time. vs_torch_ddp: step-time ratio in the same round.")
     columns = ["variant", "attention", "nproc", "step_ms", "vs_torch_ddp", "scaling_eff", "tokens_per_s", "forward_ms",
-               "backward_ms", "sync_ms", "optimizer_ms", "peak_mem_GB", "opt_state_GB", "replicas_equal", "rounds"]
+               "backward_ms", "sync_ms", "optimizer_ms", *(TIMELINE_COLUMNS if args.profile else []), "peak_mem_GB",
+               "opt_state_GB", "replicas_equal", "rounds"]
     main_rows = [r for r in rows if r["round"] != "matrix"]
     if main_rows:
         summary = summarize(main_rows)

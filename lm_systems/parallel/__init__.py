@@ -4,10 +4,12 @@
 - ``DDPIndividualParameters(module)``: per-parameter async all-reduce launched during backward.
 - ``DDPBucketed(module, bucket_size_mb)``: bucketed async all-reduce, gradients as bucket views.
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
+- ``gradient_process_group()``: an NCCL group with a high-priority stream for the containers' all-reduces.
 """
 
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.bucketed import DDPBucketed, assign_buckets
+from lm_systems.parallel.collectives import gradient_process_group
 from lm_systems.parallel.naive import NaiveDDP
 from lm_systems.parallel.overlap import DDPIndividualParameters, OverlappedDDP
 from lm_systems.parallel.sharded_optimizer import ShardedOptimizer, optimizer_init_kwargs
@@ -20,5 +22,6 @@ __all__ = [
     "OverlappedDDP",
     "ShardedOptimizer",
     "assign_buckets",
+    "gradient_process_group",
     "optimizer_init_kwargs",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lm_systems.parallel.collectives import PendingAverage
@@ -42,9 +43,10 @@ class DDPBucketed(OverlappedDDP):
     ``zero_grad(set_to_none=True)``) is copied into the bucket once, when it is accumulated.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0) -> None:
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
+                 grad_comm_dtype: torch.dtype | None = None) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
-        super().__init__(module, assign_buckets(list(reversed(params)), bucket_size_mb))
+        super().__init__(module, assign_buckets(list(reversed(params)), bucket_size_mb), process_group, grad_comm_dtype)
         self.bucket_size_mb = bucket_size_mb
         self._flat_buffers: list[torch.Tensor] = []
         self._grad_views: list[list[torch.Tensor]] = []
@@ -66,7 +68,7 @@ class DDPBucketed(OverlappedDDP):
             param.grad = view
 
     def _launch(self, unit: int) -> PendingAverage:
-        return PendingAverage(self._flat_buffers[unit])
+        return self._averager.start(self._flat_buffers[unit])
 
     def _prepare_late(self, unit: int) -> None:
         for index, param in enumerate(self._units[unit]):

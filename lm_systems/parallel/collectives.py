@@ -18,26 +18,74 @@ def require_process_group(who: str) -> None:
         )
 
 
-def _supports_avg(tensor: torch.Tensor) -> bool:
-    """NCCL averages in the reduction itself; gloo has no ReduceOp.AVG, so it sums and divides afterwards."""
-    return tensor.is_cuda and "nccl" in str(dist.get_backend()).lower()
-
-
 class PendingAverage:
-    """An in-flight all-reduce that leaves the mean over ranks in its tensor once ``wait()`` returns."""
+    """An in-flight all-reduce; once ``wait()`` returns, the mean over ranks is in the averaged tensor."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self._world_size = dist.get_world_size()
-        self._divide_after = not _supports_avg(tensor)
-        op = dist.ReduceOp.SUM if self._divide_after else dist.ReduceOp.AVG
-        self._work = dist.all_reduce(tensor, op=op, async_op=True)
+    __slots__ = ("_sent", "_work", "_divisor", "_target")
+
+    def __init__(self, sent: torch.Tensor, work: dist.Work, divisor: int | None, target: torch.Tensor) -> None:
+        self._sent, self._work, self._divisor, self._target = sent, work, divisor, target
 
     def wait(self) -> torch.Tensor:
+        """Wait, then return the averaged tensor (the one given to ``GradientAverager.start``)."""
         self._work.wait()
-        if self._divide_after:
-            self.tensor.div_(self._world_size)
-        return self.tensor
+        if self._divisor is not None:
+            self._sent.div_(self._divisor)
+        if self._sent is not self._target:
+            self._target.copy_(self._sent)
+        return self._target
+
+
+class GradientAverager:
+    """Starts averaging all-reduces on one process group, with the per-call work done once, up front.
+
+    Launches go straight to the group's ``allreduce`` with prepared options: a data-parallel container
+    issues hundreds per step from autograd's thread, and ``dist.all_reduce``'s argument checks cost as
+    much as the launch itself. NCCL averages in the reduction (``ReduceOp.AVG``); gloo has no AVG, so it
+    sums and divides after the wait. With ``comm_dtype`` (e.g. bf16 for fp32 gradients) the tensor is cast
+    for the wire and the mean cast back into it: half the bytes, at bf16's precision for the sum.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, comm_dtype: torch.dtype | None = None) -> None:
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.comm_dtype = comm_dtype
+        self._nccl = "nccl" in str(dist.get_backend(self.group)).lower()
+        self._avg = _allreduce_options(dist.ReduceOp.AVG)
+        self._sum = _allreduce_options(dist.ReduceOp.SUM)
+
+    def start(self, tensor: torch.Tensor) -> PendingAverage:
+        """Start averaging ``tensor`` in place over the group's ranks."""
+        sent = tensor if self.comm_dtype in (None, tensor.dtype) else tensor.to(self.comm_dtype)
+        native_avg = self._nccl and tensor.is_cuda
+        work = self.group.allreduce([sent], self._avg if native_avg else self._sum)
+        return PendingAverage(sent, work, None if native_avg else self.world_size, tensor)
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average ``tensor`` in place and wait for it."""
+        return self.start(tensor).wait()
+
+
+def _allreduce_options(op: dist.ReduceOp) -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    return options
+
+
+def gradient_process_group(high_priority: bool = True, max_ctas: int | None = None) -> dist.ProcessGroup | None:
+    """A group of all ranks for gradient all-reduces overlapped with backward; ``None`` (the default group)
+    unless the default backend is NCCL. A collective: every rank calls it, and destroys the group when done.
+
+    ``high_priority`` puts its NCCL stream at high priority, so an all-reduce's blocks are scheduled as
+    soon as backward's kernels free SMs rather than after the kernels queued before them; ``max_ctas``
+    caps the thread blocks (SMs) one all-reduce occupies, leaving more to the backward it overlaps.
+    """
+    if "nccl" not in str(dist.get_backend()).lower():
+        return None
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+    if max_ctas is not None:
+        options.config.max_ctas = max_ctas
+    return dist.new_group(backend="nccl", pg_options=options)
 
 
 @torch.no_grad()
@@ -56,8 +104,9 @@ class GradPresence:
     need not read the result back (no host-device sync): every count is then at least one.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], process_group: dist.ProcessGroup | None = None) -> None:
         device = params[0].device if params else torch.device("cpu")
+        self._group = process_group
         self._flags = torch.zeros(len(params), dtype=torch.float32, device=device)
         self._local: list[bool] = []
         self._work = None
@@ -68,7 +117,7 @@ class GradPresence:
             self._flags.fill_(1.0)  # a device-side fill: no host sync on the common path
         else:
             self._flags.copy_(torch.tensor(local_present, dtype=torch.float32))
-        self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.SUM, async_op=True)
+        self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
 
     def wait(self) -> list[bool]:
         """Per parameter: does any rank hold a gradient for it?"""

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lm_systems.parallel.base import DataParallelModule
-from lm_systems.parallel.collectives import GradPresence, PendingAverage
+from lm_systems.parallel.collectives import GradPresence
 
 
 class NaiveDDP(DataParallelModule):
     """After backward, all-reduce each gradient in turn (``flat=False``) or all of them as one flat tensor."""
 
-    def __init__(self, module: nn.Module, flat: bool = False) -> None:
-        super().__init__(module)
+    def __init__(self, module: nn.Module, flat: bool = False, process_group: dist.ProcessGroup | None = None,
+                 grad_comm_dtype: torch.dtype | None = None) -> None:
+        super().__init__(module, process_group, grad_comm_dtype)
         self.flat = flat
         self._params = self.trainable_parameters()
-        self._presence = GradPresence(self._params)
+        self._presence = GradPresence(self._params, self.process_group)
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
@@ -24,20 +26,19 @@ class NaiveDDP(DataParallelModule):
             return
         local = [p.grad is not None for p in self._params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        averaged = self._average_flat(grads) if self.flat else [PendingAverage(g).wait() for g in grads]
+        averaged = self._average_flat(grads) if self.flat else [self._averager.average(g) for g in grads]
         self._presence.launch(local)
         for param, grad, anywhere in zip(self._params, averaged, self._presence.wait()):
             param.grad = grad if anywhere else None
 
-    @staticmethod
-    def _average_flat(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _average_flat(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """One all-reduce per (device, dtype): gradients of mixed dtypes cannot share a flat buffer."""
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, g in enumerate(grads):
             groups.setdefault((g.device, g.dtype), []).append(i)
         averaged: list[torch.Tensor] = [torch.empty(0)] * len(grads)
         for indices in groups.values():
-            flat = PendingAverage(torch.cat([grads[i].reshape(-1) for i in indices])).wait()  # (Σ numel,)
+            flat = self._averager.average(torch.cat([grads[i].reshape(-1) for i in indices]))  # (Σ numel,)
             chunks = flat.split([grads[i].numel() for i in indices])
             for i, chunk in zip(indices, chunks):
                 averaged[i] = chunk.view_as(grads[i])

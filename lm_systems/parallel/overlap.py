@@ -6,6 +6,7 @@ from abc import abstractmethod
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lm_systems.parallel.base import DataParallelModule
@@ -22,12 +23,13 @@ class OverlappedDDP(DataParallelModule):
     during backward (unused parameters, ``no_sync``) are launched by ``finish_gradient_synchronization``.
     """
 
-    def __init__(self, module: nn.Module, units: list[list[nn.Parameter]]) -> None:
-        super().__init__(module)
+    def __init__(self, module: nn.Module, units: list[list[nn.Parameter]],
+                 process_group: dist.ProcessGroup | None = None, grad_comm_dtype: torch.dtype | None = None) -> None:
+        super().__init__(module, process_group, grad_comm_dtype)
         self._units = units
         self._params = [p for unit in units for p in unit]
         self._names = {id(p): name for name, p in module.named_parameters()}
-        self._presence = GradPresence(self._params)
+        self._presence = GradPresence(self._params, process_group)
         self._works: list[PendingAverage | None] = [None] * len(units)
         self._waiting = [len(unit) for unit in units]  # gradients still to arrive, per unit, this backward
         self._arrived: set[int] = set()
@@ -103,16 +105,17 @@ class OverlappedDDP(DataParallelModule):
 class DDPIndividualParameters(OverlappedDDP):
     """Launches an async all-reduce of each gradient, in place in ``.grad``, as soon as it is accumulated."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
+                 grad_comm_dtype: torch.dtype | None = None) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
         # Reverse registration order: roughly the order backward produces gradients in.
-        super().__init__(module, [[p] for p in reversed(params)])
+        super().__init__(module, [[p] for p in reversed(params)], process_group, grad_comm_dtype)
         self._zeros: dict[int, torch.Tensor] = {}
 
     def _launch(self, unit: int) -> PendingAverage:
         param = self._units[unit][0]
         grad = param.grad if param.grad is not None else self._zeros[unit]
-        return PendingAverage(grad)
+        return self._averager.start(grad)
 
     def _prepare_late(self, unit: int) -> None:
         param = self._units[unit][0]

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lm_systems.parallel import DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer
+from lm_systems.parallel.collectives import GradientAverager
 
 VOCAB, DIM, BATCH, STEPS, MICRO_BATCHES = 37, 13, 3, 3, 2
 TIMEOUT = timedelta(seconds=60)
@@ -85,22 +86,27 @@ def reference_training(initial: nn.Module, world_size: int, micro_batches: int):
 
 
 class AllReduceCounter:
-    """Counts dist.all_reduce calls (the containers look it up on the module at call time)."""
+    """Counts all-reduces: gradient averages (GradientAverager.start) and any dist.all_reduce call."""
 
     def __init__(self) -> None:
         self.calls = 0
-        self._original = dist.all_reduce
+        self._originals = [(dist, "all_reduce", dist.all_reduce), (GradientAverager, "start", GradientAverager.start)]
 
     def __enter__(self) -> "AllReduceCounter":
-        def counting(*args, **kwargs):
-            self.calls += 1
-            return self._original(*args, **kwargs)
-
-        dist.all_reduce = counting
+        for owner, name, original in self._originals:
+            setattr(owner, name, self._counting(original))
         return self
 
+    def _counting(self, original):
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        return counting
+
     def __exit__(self, *exc) -> None:
-        dist.all_reduce = self._original
+        for owner, name, original in self._originals:
+            setattr(owner, name, original)
 
 
 CONTAINERS = {
@@ -109,7 +115,10 @@ CONTAINERS = {
     "individual": lambda m: DDPIndividualParameters(m),
     "bucketed": lambda m: DDPBucketed(m, bucket_size_mb=0.002),  # ~2 KB: several buckets
     "bucketed_one_bucket": lambda m: DDPBucketed(m, bucket_size_mb=100),
+    "bucketed_bf16_comm": lambda m: DDPBucketed(m, bucket_size_mb=0.002, grad_comm_dtype=torch.bfloat16),
 }
+# Gradients averaged in bf16 match the fp32 reference only to bf16's precision.
+TOLERANCE = {"bucketed_bf16_comm": 2e-3}
 
 
 def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None):

@@ -2,6 +2,8 @@
 
 import csv
 
+import pytest
+
 from lm_systems.bench import comm, ddp
 
 
@@ -19,13 +21,29 @@ def test_comm_bench_reports_bus_bandwidth(tmp_path):
 def test_ddp_bench_compares_variants_and_keeps_replicas_equal(tmp_path):
     ddp.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device",
               "cpu", "--nproc", "2", "--steps", "1", "--warmup", "1", "--instrumented-steps", "1", "--rounds", "1",
-              "--variants", "single,torch_ddp,bucketed_1,zero1", "--out-dir", str(tmp_path)])
+              "--variants", "single,torch_ddp,bucketed_1,zero1,bucketed_1+hp+bf16",
+              "--out-dir", str(tmp_path)])
     with open(tmp_path / "ddp_tiny_2cpu.csv") as f:
         summary = {row["variant"]: row for row in csv.DictReader(f)}
-    assert list(summary) == ["single", "torch_ddp", "bucketed_1", "zero1"]
+    assert list(summary) == ["single", "torch_ddp", "bucketed_1", "zero1", "bucketed_1+hp+bf16"]
     assert all(row["replicas_equal"] == "True" for row in summary.values())
     assert float(summary["torch_ddp"]["vs_torch_ddp"]) == 1.0
     # ZeRO-1 keeps half of AdamW's state per rank on two ranks.
     full, sharded = float(summary["bucketed_1"]["opt_state_GB"]), float(summary["zero1"]["opt_state_GB"])
     assert 0.4 * full < sharded < 0.6 * full
     assert (tmp_path / "ddp_tiny_2cpu.png").exists() and (tmp_path / "ddp_tiny_2cpu_rounds.csv").exists()
+
+
+def test_ddp_bench_names_a_bad_variant_or_option():
+    for bad, said in (("bucketed_x", "unknown variant 'bucketed_x'"), ("torch_ddp+fast", "unknown option 'fast'"),
+                      ("single+bf16", "takes no communication options")):
+        with pytest.raises(SystemExit):
+            ddp.parse_args(["--device", "cpu", "--variants", bad])
+        with pytest.raises(ValueError, match=said):
+            ddp.Variant.parse(bad)
+
+
+def test_variant_options_parse():
+    assert ddp.Variant.parse("bucketed_25+ctas8+bf16") == ddp.Variant("bucketed_25", True, 8, True)
+    assert ddp.Variant.parse("torch_ddp+normal").group_key == (False, None)
+    assert ddp.Variant.parse("torch_ddp").group_key is None

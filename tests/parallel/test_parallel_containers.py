@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from parallel_workers import CONTAINERS, ToyNet, run_containers
+from parallel_workers import CONTAINERS, TOLERANCE, ToyNet, run_containers
 
 RUNS = [*CONTAINERS, "bucketed_keep_grads"]
 
@@ -36,7 +36,8 @@ def test_training_matches_single_process_on_the_global_batch(runs, name):
     """Tied, frozen, unused and rank-0-only parameters included; 2 micro-batches accumulated per step."""
     reference = runs[0][name]["reference"]
     for rank in range(2):
-        assert_state_close(runs[rank][name]["final"], reference)
+        assert_state_close(runs[rank][name]["final"], reference, atol=TOLERANCE.get(name, 1e-5))
+    assert_state_close(runs[1][name]["final"], runs[0][name]["final"], atol=0)  # replicas identical
     assert torch.equal(runs[0][name]["final"]["frozen.weight"], runs[0][name]["initial"]["frozen.weight"])
 
 
@@ -53,7 +54,7 @@ def test_no_communication_inside_no_sync(runs, name):
         assert runs[rank][name]["no_sync_all_reduces"] == 0
 
 
-@pytest.mark.parametrize("name", ["individual", "bucketed", "bucketed_keep_grads"])
+@pytest.mark.parametrize("name", ["individual", "bucketed", "bucketed_keep_grads", "bucketed_bf16_comm"])
 def test_overlapping_containers_communicate_during_backward(runs, name):
     # Rank 0 uses every parameter but ``never_used``, whose unit comes last: all earlier units launch early.
     assert min(runs[0][name]["all_reduces_during_backward"]) > 0
@@ -73,3 +74,10 @@ def test_containers_stay_ordinary_modules(single_rank_group, name):
     assert [b.data_ptr() for b in wrapper.buffers()] == [b.data_ptr() for b in model.buffers()]
     wrapper.require_backward_grad_sync = False
     assert "require_backward_grad_sync" not in wrapper._buffers
+
+
+def test_bf16_gradient_communication_sends_bf16(runs):
+    """The bf16 run is not the fp32 one in disguise: its weights differ, by bf16 rounding of the means only."""
+    bf16, fp32 = runs[0]["bucketed_bf16_comm"]["final"], runs[0]["bucketed"]["final"]
+    largest = max((bf16[name] - fp32[name]).abs().max().item() for name in fp32)
+    assert 0 < largest < TOLERANCE["bucketed_bf16_comm"]

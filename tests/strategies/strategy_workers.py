@@ -16,11 +16,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import strategies  # noqa: F401  (registers the strategy names in worker processes too)
 from lm_systems.parallel import ShardedOptimizer
+from lm_systems.parallel.collectives import GradientAverager
+from strategies import BucketedDDPStrategy
 
 VOCAB, DIM, SEQ = 23, 11, 6
 MICRO_BATCH, ACCUMULATE, WORLD = 3, 2, 2
 STEPS_PER_EPOCH, EPOCHS = 2, 2
-COMMUNICATING = ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")
+COMMUNICATING = [(dist, name) for name in ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")]
+COMMUNICATING.append((GradientAverager, "start"))  # the containers' gradient all-reduces bypass dist.all_reduce
 
 
 def token_windows(seed: int, count: int) -> torch.Tensor:
@@ -99,14 +102,14 @@ class Recorder(Callback):
         self._originals: dict = {}
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        for name in COMMUNICATING:
-            original = self._originals[name] = getattr(dist, name)
+        for owner, name in COMMUNICATING:
+            original = self._originals[owner, name] = getattr(owner, name)
 
             def counting(*args, _original=original, **kwargs):
                 self.calls += 1
                 return _original(*args, **kwargs)
 
-            setattr(dist, name, counting)
+            setattr(owner, name, counting)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.wrapper = type(trainer.strategy.model).__name__
@@ -135,8 +138,15 @@ class Recorder(Callback):
             record["owned"] = [n for n, p in named if optimizer.owner(p) == trainer.global_rank]
             record["state_keys"] = [n for n, p in named if p in optimizer.local_optimizer.state]
         torch.save(record, Path(self.out_dir) / f"{self.tag}_rank{trainer.global_rank}.pt")
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        for (owner, name), original in self._originals.items():
+            setattr(owner, name, original)
+
+
+def make_strategy(name: str):
+    """A registered name, or ``bucketed_ddp+bf16``: bucketed_ddp sending its gradients in bf16."""
+    if name == "bucketed_ddp+bf16":
+        return BucketedDDPStrategy(grad_comm_dtype="bf16")
+    return name
 
 
 def make_trainer(strategy, devices: int, out_dir: str, tag: str, accelerator: str = "cpu", **kwargs) -> L.Trainer:
@@ -197,8 +207,8 @@ def run_gpu_strategies(rank: int, world_size: int, port: int, out_dir: str, name
     try:
         for precision in precisions:
             for name in names:
-                trainer = make_trainer(name, world_size, out_dir, f"{name}_{precision}", accelerator="gpu",
-                                       precision=precision)
+                trainer = make_trainer(make_strategy(name), world_size, out_dir, f"{name}_{precision}",
+                                       accelerator="gpu", precision=precision)
                 trainer.fit(TinyLM(), datamodule=TinyData())
     finally:
         if dist.is_initialized():

@@ -121,3 +121,8 @@ def test_spawn_variant_through_lightnings_launcher(out_dir, reference):
 def test_bad_bucket_size_names_the_option():
     with pytest.raises(ValueError, match="bucket_size_mb"):
         strategies.BucketedDDPStrategy(bucket_size_mb=0)
+
+
+def test_bad_gradient_communication_dtype_names_the_option():
+    with pytest.raises(ValueError, match="grad_comm_dtype"):
+        strategies.BucketedDDPStrategy(grad_comm_dtype="int8")
