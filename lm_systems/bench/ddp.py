@@ -16,8 +16,9 @@ synchronisation alone). Variants, all interleaved round by round, a fresh model 
 A variant may carry options after ``+`` (any DDP variant, ours or torch's, so both get the same):
 ``+hp`` all-reduces on an NCCL group with a high-priority stream, ``+ctas<k>`` caps that group's
 all-reduces at k thread blocks, ``+normal`` uses such a group at normal priority, ``+bf16`` sends
-gradients in bf16 (torch DDP through its ``bf16_compress_hook``). E.g. ``bucketed_25+hp``,
-``torch_ddp+hp+bf16``.
+gradients in bf16 (torch DDP through its ``bf16_compress_hook``), ``+carve<k>`` runs backward's
+matmuls through cuBLASLt told to leave k SMs free (torch's experimental SM carve-out) for the
+all-reduces. E.g. ``bucketed_25+hp``, ``torch_ddp+hp+bf16``, ``bucketed_25+carve16``.
 
 Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
 instrumented steps (forward, backward, gradient sync left after backward, optimizer), with
@@ -38,7 +39,8 @@ import socket
 import statistics
 import time
 import traceback
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -85,6 +87,7 @@ class Variant:
     high_priority: bool | None = None  # None: the default group; True / False: a group of our own
     max_ctas: int | None = None
     bf16_comm: bool = False
+    sm_carveout: int | None = None
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -100,8 +103,11 @@ class Variant:
                 fields.setdefault("high_priority", True)
             elif option == "bf16":
                 fields["bf16_comm"] = True
+            elif option.startswith("carve") and option[5:].isdigit():
+                fields["sm_carveout"] = int(option[5:])
             else:
-                raise ValueError(f"unknown option {option!r} in variant {name!r} (options: +hp, +normal, +ctas<k>, +bf16)")
+                raise ValueError(f"unknown option {option!r} in variant {name!r} "
+                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>)")
         if options and base == "single":
             raise ValueError("the single-GPU baseline takes no communication options")
         return cls(base, **fields)
@@ -168,7 +174,24 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
-def measure(run: Run, batches: list[torch.Tensor], args: argparse.Namespace, device: torch.device) -> dict:
+@contextmanager
+def sm_carveout(sms: int | None) -> Iterator[None]:
+    """Matmuls inside run through cuBLASLt, which is told to leave ``sms`` SMs free (None: no change)."""
+    if sms is None:
+        yield
+        return
+    backend, carveout = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(carveout)
+        torch.backends.cuda.preferred_blas_library(backend)
+
+
+def measure(run: Run, variant: Variant, batches: list[torch.Tensor], args: argparse.Namespace,
+            device: torch.device) -> dict:
     """Warm-up, timed steps (synchronised per step) and instrumented steps on this rank."""
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
 
@@ -185,7 +208,8 @@ def measure(run: Run, batches: list[torch.Tensor], args: argparse.Namespace, dev
             logits = run.model(batch[:, :-1])  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         mark()
-        loss.backward()
+        with sm_carveout(variant.sm_carveout):
+            loss.backward()
         mark()
         run.finish()
         mark()
@@ -245,7 +269,7 @@ def visit(name: str, attention: str, args: argparse.Namespace, device: torch.dev
             g = torch.Generator(device=device).manual_seed(1000 + rank)
             batches = [torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1),
                                      device=device, generator=g) for _ in range(2)]
-            result = measure(run, batches, args, device)
+            result = measure(run, variant, batches, args, device)
             for cleanup in run.cleanup:
                 cleanup()
         except Exception as error:  # e.g. a kernel that fails to compile: every rank fails alike, and goes on

@@ -45,5 +45,6 @@ def test_ddp_bench_names_a_bad_variant_or_option():
 
 def test_variant_options_parse():
     assert ddp.Variant.parse("bucketed_25+ctas8+bf16") == ddp.Variant("bucketed_25", True, 8, True)
+    assert ddp.Variant.parse("torch_ddp+carve16").sm_carveout == 16
     assert ddp.Variant.parse("torch_ddp+normal").group_key == (False, None)
     assert ddp.Variant.parse("torch_ddp").group_key is None
