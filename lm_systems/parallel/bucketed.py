@@ -37,10 +37,14 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[li
 class DDPBucketed(OverlappedDDP):
     """Buckets of gradients, in reverse parameter order, each at most ``bucket_size_mb``, averaged asynchronously.
 
-    After the first backward every ``param.grad`` is a view into its bucket's flat buffer (as torch DDP's
-    ``gradient_as_bucket_view``): later accumulations land in the bucket directly, and the averaged
-    result is already in ``.grad`` with no copy back. A gradient that autograd freshly allocated (after
-    ``zero_grad(set_to_none=True)``) is copied into the bucket once, when it is accumulated.
+    Gradients live in the buckets (as torch DDP's ``gradient_as_bucket_view``): the buckets of one device
+    and dtype are consecutive slices of one flat buffer, and each ``param.grad`` is a view into its
+    bucket. The first forward with grad enabled after a synchronisation points every ``.grad`` at its view
+    (zeroed where the optimizer had set it to ``None``: one fill of the flat buffer when all were), so
+    autograd accumulates straight into the buckets in C++, the per-gradient hooks only count arrivals, and
+    the averaged result is already in ``.grad``: no copies in or out, which matters because the hooks run
+    on autograd's thread between backward's kernel launches. A gradient that arrives elsewhere anyway (a
+    backward through ``.module`` directly) is copied into its view once.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
@@ -48,24 +52,54 @@ class DDPBucketed(OverlappedDDP):
         params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(module, assign_buckets(list(reversed(params)), bucket_size_mb), process_group, grad_comm_dtype)
         self.bucket_size_mb = bucket_size_mb
-        self._flat_buffers: list[torch.Tensor] = []
-        self._grad_views: list[list[torch.Tensor]] = []
-        for bucket in self._units:
-            buffer = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-            chunks = buffer.split([p.numel() for p in bucket])
-            self._flat_buffers.append(buffer)
-            self._grad_views.append([chunk.view_as(p) for chunk, p in zip(chunks, bucket)])
+        self._arenas, self._flat_buffers = _carve_buckets(self._units)
+        self._grad_views = [[chunk.view_as(p) for chunk, p in zip(buffer.split([p.numel() for p in bucket]), bucket)]
+                            for buffer, bucket in zip(self._flat_buffers, self._units)]
+        self._views = [view for views in self._grad_views for view in views]  # aligned with self._params
+        self._attached = False
+        self._had_grad = [False] * len(self._params)  # at attachment: .grad was not None
 
     @property
     def buckets(self) -> list[list[nn.Parameter]]:
         """The parameters of each bucket, in launch order."""
         return self._units
 
+    def forward(self, *args, **kwargs):
+        if not self._attached and torch.is_grad_enabled():
+            self._attach_gradients()
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _attach_gradients(self) -> None:
+        grads = [p.grad for p in self._params]
+        self._had_grad = [g is not None for g in grads]
+        none_held = not any(self._had_grad)
+        if none_held:
+            for arena in self._arenas:
+                arena.zero_()
+        for param, view, grad in zip(self._params, self._views, grads):
+            if grad is view:
+                continue
+            if grad is None:
+                if not none_held:
+                    view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            param.grad = view
+        self._attached = True
+
     def _place_gradient(self, unit: int, index: int, param: nn.Parameter) -> None:
         view = self._grad_views[unit][index]
-        if param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
+        if param.grad is not view:
+            with torch.no_grad():
+                if param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(param.grad)
+                param.grad = view
+
+    def _local_presence(self) -> list[bool]:
+        if not self._attached:
+            return super()._local_presence()
+        return [had or got for had, got in zip(self._had_grad, self._got_grad)]
 
     def _launch(self, unit: int) -> PendingAverage:
         return self._averager.start(self._flat_buffers[unit])
@@ -79,3 +113,24 @@ class DDPBucketed(OverlappedDDP):
 
     def _averaged(self, unit: int, index: int) -> torch.Tensor:
         return self._grad_views[unit][index]
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._attached = False
+
+
+def _carve_buckets(buckets: list[list[nn.Parameter]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One zeroed flat buffer per (device, dtype), and each bucket's consecutive slice of its buffer."""
+    sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+    for bucket in buckets:
+        kind = (bucket[0].device, bucket[0].dtype)
+        sizes[kind] = sizes.get(kind, 0) + sum(p.numel() for p in bucket)
+    arenas = {kind: torch.zeros(n, dtype=kind[1], device=kind[0]) for kind, n in sizes.items()}
+    offsets = dict.fromkeys(sizes, 0)
+    slices = []
+    for bucket in buckets:
+        kind = (bucket[0].device, bucket[0].dtype)
+        n = sum(p.numel() for p in bucket)
+        slices.append(arenas[kind][offsets[kind]:offsets[kind] + n])
+        offsets[kind] += n
+    return list(arenas.values()), slices

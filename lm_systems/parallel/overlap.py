@@ -32,16 +32,24 @@ class OverlappedDDP(DataParallelModule):
         self._presence = GradPresence(self._params, process_group)
         self._works: list[PendingAverage | None] = [None] * len(units)
         self._waiting = [len(unit) for unit in units]  # gradients still to arrive, per unit, this backward
-        self._arrived: set[int] = set()
+        self._arrived = [False] * len(self._params)  # per parameter: accumulated in this syncing backward
+        self._got_grad = [False] * len(self._params)  # per parameter: accumulated since the last synchronisation
         self._next_unit = 0
+        flat_index = 0
         for u, unit in enumerate(units):
             for i, param in enumerate(unit):
-                self._add_hook(param.register_post_accumulate_grad_hook(partial(self._on_grad_accumulated, u, i)))
+                hook = partial(self._on_grad_accumulated, u, i, flat_index)
+                self._add_hook(param.register_post_accumulate_grad_hook(hook))
+                flat_index += 1
 
     # -- subclass interface ------------------------------------------------------------------
 
     def _place_gradient(self, unit: int, index: int, param: nn.Parameter) -> None:
         """Called after every accumulation into ``param.grad``, syncing or not."""
+
+    def _local_presence(self) -> list[bool]:
+        """Per parameter (in unit order): does this rank hold a gradient for it?"""
+        return [p.grad is not None for p in self._params]
 
     @abstractmethod
     def _launch(self, unit: int) -> PendingAverage:
@@ -57,18 +65,20 @@ class OverlappedDDP(DataParallelModule):
 
     # -- launching ---------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _on_grad_accumulated(self, unit: int, index: int, param: nn.Parameter) -> None:
+    def _on_grad_accumulated(self, unit: int, index: int, flat_index: int, param: nn.Parameter) -> None:
+        # Runs on autograd's thread between backward's kernel launches, once per parameter: kept lean
+        # (a torch.no_grad decorator alone would double its cost; subclasses guard what they copy).
+        self._got_grad[flat_index] = True
         self._place_gradient(unit, index, param)
         if not self.require_backward_grad_sync:
             return
-        if self._works[unit] is not None or id(param) in self._arrived:
+        if self._works[unit] is not None or self._arrived[flat_index]:
             raise RuntimeError(
                 f"the gradient of {self._names.get(id(param), 'a parameter')!r} arrived after its all-reduce "
                 "was launched: call finish_gradient_synchronization() after every backward, and run "
                 "accumulation micro-batches inside no_sync()"
             )
-        self._arrived.add(id(param))
+        self._arrived[flat_index] = True
         self._waiting[unit] -= 1
         if self._waiting[unit] == 0:
             self._launch_ready_units()
@@ -80,7 +90,7 @@ class OverlappedDDP(DataParallelModule):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        local = [p.grad is not None for p in self._params]
+        local = self._local_presence()
         for unit in range(self._next_unit, len(self._units)):
             self._prepare_late(unit)
             self._works[unit] = self._launch(unit)
@@ -91,14 +101,17 @@ class OverlappedDDP(DataParallelModule):
         for u, unit in enumerate(self._units):
             for i, param in enumerate(unit):
                 anywhere = next(present)
-                if param.grad is None and anywhere:
+                if not anywhere:
+                    param.grad = None  # no rank produced one: as single-process training leaves it
+                elif param.grad is None:
                     param.grad = self._averaged(u, i)
         self._reset()
 
     def _reset(self) -> None:
         self._works = [None] * len(self._units)
         self._waiting = [len(unit) for unit in self._units]
-        self._arrived.clear()
+        self._arrived = [False] * len(self._params)
+        self._got_grad = [False] * len(self._params)
         self._next_unit = 0
 
 

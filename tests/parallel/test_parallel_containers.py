@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from parallel_workers import CONTAINERS, TOLERANCE, ToyNet, run_containers
+from parallel_workers import CONTAINERS, TOLERANCE, VOCAB, ToyNet, run_containers
 
 RUNS = [*CONTAINERS, "bucketed_keep_grads"]
 
@@ -81,3 +81,26 @@ def test_bf16_gradient_communication_sends_bf16(runs):
     bf16, fp32 = runs[0]["bucketed_bf16_comm"]["final"], runs[0]["bucketed"]["final"]
     largest = max((bf16[name] - fp32[name]).abs().max().item() for name in fp32)
     assert 0 < largest < TOLERANCE["bucketed_bf16_comm"]
+
+
+def test_bucketed_gradients_live_in_the_buckets(single_rank_group):
+    """After zero_grad(set_to_none=True), the next forward points each .grad at its bucket view, so backward
+    accumulates in place and the mean needs no copy out; a parameter no backward reached goes back to None."""
+    from lm_systems.parallel import DDPBucketed
+
+    model = DDPBucketed(ToyNet(), bucket_size_mb=0.002)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = None
+        loss = model(torch.randint(0, VOCAB, (2, 5)), use_rank0_only=True).sum()
+        views = {id(p): p.grad for p in model.module.parameters() if p.requires_grad}
+        assert all(v is not None for v in views.values())
+        loss.backward()
+        model.finish_gradient_synchronization()
+        for name, p in model.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name.startswith("never_used"):
+                assert p.grad is None
+            else:
+                assert p.grad is views[id(p)], name
