@@ -11,10 +11,12 @@ logging are Lightning's own. What changes is the model wrapper and where gradien
   precision plugin's unscaling, clipping and ``on_before_optimizer_step``, which thus see averaged gradients;
 - ``teardown`` removes the container's gradient hooks and unwraps the module.
 
-Every strategy takes ``comm_high_priority`` (default on; NCCL only): gradients are averaged on a process
-group of their own whose stream is high priority, so the all-reduces overlapping backward get SMs as
-soon as backward's kernels free them; and ``grad_comm_dtype`` ("bf16"/"fp16"): gradients cross the wire
-in that dtype (half the bytes of fp32) and the mean is cast back.
+Every strategy takes communication options (NCCL only; measured in benchmarks/results/ddp_*):
+``comm_high_priority`` and ``comm_max_ctas`` average gradients on a process group of their own whose
+stream is high priority (its all-reduces get SMs as soon as backward's kernels free them) and whose
+all-reduces use at most that many thread blocks (leaving the other SMs to backward); and
+``grad_comm_dtype`` ("bf16"/"fp16") sends gradients in that dtype (half the bytes of fp32) and casts
+the mean back.
 """
 
 from __future__ import annotations
@@ -59,9 +61,13 @@ class ContainerDDPStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
-        comm_high_priority: bool = True,
+        comm_high_priority: bool = False,
+        comm_max_ctas: Optional[int] = None,
         grad_comm_dtype: Optional[Literal["bf16", "fp16"]] = None,
     ) -> None:
+        if comm_max_ctas is not None and comm_max_ctas < 1:
+            raise ValueError(f"comm_max_ctas must be a positive number of thread blocks or None, got {comm_max_ctas} "
+                             "(strategy init_args.comm_max_ctas)")
         if grad_comm_dtype is not None and grad_comm_dtype not in COMM_DTYPES:
             raise ValueError(f"grad_comm_dtype must be one of {sorted(COMM_DTYPES)} or None, got {grad_comm_dtype!r} "
                              "(strategy init_args.grad_comm_dtype)")
@@ -76,6 +82,7 @@ class ContainerDDPStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._comm_high_priority = comm_high_priority
+        self._comm_max_ctas = comm_max_ctas
         self._grad_comm_dtype = COMM_DTYPES.get(grad_comm_dtype) if grad_comm_dtype else None
         self._grad_group: Optional[dist.ProcessGroup] = None
 
@@ -85,8 +92,9 @@ class ContainerDDPStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> DataParallelModule:
-        if self._comm_high_priority and self._grad_group is None:
-            self._grad_group = gradient_process_group(high_priority=True)  # None unless NCCL
+        own_group = self._comm_high_priority or self._comm_max_ctas is not None
+        if own_group and self._grad_group is None:  # None unless the backend is NCCL
+            self._grad_group = gradient_process_group(self._comm_high_priority, self._comm_max_ctas)
         return self.wrap(model, process_group=self._grad_group, grad_comm_dtype=self._grad_comm_dtype)
 
     @override

@@ -190,9 +190,10 @@ def sm_carveout(sms: int | None) -> Iterator[None]:
         torch.backends.cuda.preferred_blas_library(backend)
 
 
-def measure(run: Run, variant: Variant, batches: list[torch.Tensor], args: argparse.Namespace,
-            device: torch.device) -> dict:
-    """Warm-up, timed steps (synchronised per step) and instrumented steps on this rank."""
+def make_step(run: Run, variant: Variant, args: argparse.Namespace,
+              device: torch.device) -> Callable[..., None]:
+    """One training step of ``run``: ``step(batch, phases=None)``; with ``phases`` (a dict of lists) the
+    device is synchronised between forward, backward, gradient sync and optimizer and each is timed."""
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
 
     def step(batch: torch.Tensor, phases: dict[str, list[float]] | None = None) -> None:
@@ -219,6 +220,13 @@ def measure(run: Run, variant: Variant, batches: list[torch.Tensor], args: argpa
             for name, a, b in zip(("forward", "backward", "sync", "optimizer"), marks, marks[1:]):
                 phases[name].append(b - a)
 
+    return step
+
+
+def measure(run: Run, variant: Variant, batches: list[torch.Tensor], args: argparse.Namespace,
+            device: torch.device) -> dict:
+    """Warm-up, timed steps (synchronised per step) and instrumented steps on this rank."""
+    step = make_step(run, variant, args, device)
     for i in range(args.warmup):
         step(batches[i % len(batches)])
     step_times = []

@@ -48,3 +48,25 @@ def test_variant_options_parse():
     assert ddp.Variant.parse("torch_ddp+carve16").sm_carveout == 16
     assert ddp.Variant.parse("torch_ddp+normal").group_key == (False, None)
     assert ddp.Variant.parse("torch_ddp").group_key is None
+
+
+def test_paired_bench_alternates_variants_and_reports_ratios(tmp_path):
+    from lm_systems.bench import ddp_paired
+
+    rows = ddp_paired.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1",
+                            "--device", "cpu", "--nproc", "2", "--warmup", "1", "--iterations", "3",
+                            "--pairs", "single:bucketed_1,torch_ddp:bucketed_1+bf16", "--out-dir", str(tmp_path)])
+    assert [(r["A"], r["B"]) for r in rows] == [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+bf16")]
+    for row in rows:
+        assert row["iterations"] == 3 and row["A_ms"] > 0 and row["B_ms"] > 0
+        assert row["B_over_A_q1"] <= row["B_over_A"] <= row["B_over_A_q3"]
+    assert (tmp_path / "ddp_paired_tiny_2cpu.csv").exists()
+
+
+def test_paired_bench_names_a_bad_pair():
+    from lm_systems.bench import ddp_paired
+
+    with pytest.raises(SystemExit):
+        ddp_paired.parse_args(["--device", "cpu", "--pairs", "torch_ddp"])
+    with pytest.raises(SystemExit):
+        ddp_paired.parse_args(["--device", "cpu", "--pairs", "torch_ddp:bucketed_x"])

@@ -126,3 +126,8 @@ def test_bad_bucket_size_names_the_option():
 def test_bad_gradient_communication_dtype_names_the_option():
     with pytest.raises(ValueError, match="grad_comm_dtype"):
         strategies.BucketedDDPStrategy(grad_comm_dtype="int8")
+
+
+def test_bad_comm_max_ctas_names_the_option():
+    with pytest.raises(ValueError, match="comm_max_ctas"):
+        strategies.BucketedDDPStrategy(comm_max_ctas=0)

@@ -1,0 +1,169 @@
+"""Paired A/B step times of data-parallel variants: ``python -m lm_systems.bench.ddp_paired``.
+
+On the lent GPU hosts step times drift by ±20% within minutes, even for one GPU alone, which swamps
+differences of a few percent between variants measured tens of seconds apart (``bench.ddp`` visits one
+variant at a time). Here both variants of a pair live on the GPUs at once and their steps alternate
+(A B, B A, A B, ...); every step starts on all ranks together (a barrier) and is timed to completion on
+the slowest rank. The pair's ratio is the median over iterations of B's step time over the adjacent
+A's, so drift slower than two steps cancels. ``single`` steps run on rank 0 alone: a pair
+``single:X`` gives X's scaling efficiency (single / X, per-rank throughput against one GPU).
+
+Pairs take bench.ddp's variant names and options (``torch_ddp:bucketed_25+ctas16``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lm_systems.bench.ddp import Variant, _free_port, _sync, build, make_step
+from lm_systems.bench.report import RESULTS_DIR, write_results
+from lm_systems.config import ModelConfig
+from lm_systems.parallel import gradient_process_group
+
+DEFAULT_PAIRS = ["single:torch_ddp", "single:bucketed_25", "torch_ddp:bucketed_25", "torch_ddp:bucketed_100",
+                 "torch_ddp:bucketed_1000", "torch_ddp:naive_flat", "bucketed_25:zero1", "torch_ddp:torch_zero"]
+
+
+def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.device,
+              groups: dict) -> tuple[list[float], list[float]]:
+    """Alternating step times (seconds, slowest rank) of the two variants, on every rank."""
+    rank = dist.get_rank()
+    config = ModelConfig.from_name(args.size, context_length=args.context_length, vocab_size=args.vocab_size)
+    g = torch.Generator(device=device).manual_seed(1000 + rank)
+    batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
+    steps = []
+    for name in names:
+        variant = Variant.parse(name)
+        if variant.group_key is not None and variant.group_key not in groups:
+            groups[variant.group_key] = gradient_process_group(*variant.group_key)
+        here = variant.base != "single" or rank == 0
+        run = build(variant, config, device, groups.get(variant.group_key)) if here else None
+        steps.append((make_step(run, variant, args, device) if here else None, run))
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(args.warmup + args.iterations):
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            step = steps[which][0]
+            dist.barrier()
+            _sync(device)
+            start = time.perf_counter()
+            if step is not None:
+                step(batch)
+            _sync(device)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i >= args.warmup:
+                times[which].append(elapsed.item())
+    for _, run in steps:
+        for cleanup in run.cleanup if run is not None else []:
+            cleanup()
+    steps = run = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times
+
+
+def pair_row(names: tuple[str, str], times: tuple[list[float], list[float]]) -> dict:
+    a, b = times
+    ratios = sorted(tb / ta for ta, tb in zip(a, b))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {"A": names[0], "B": names[1], "A_ms": statistics.median(a) * 1e3, "B_ms": statistics.median(b) * 1e3,
+            "B_over_A": statistics.median(ratios), "B_over_A_q1": quartiles[0], "B_over_A_q3": quartiles[2],
+            "iterations": len(ratios)}
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.nproc,
+                            timeout=timedelta(seconds=args.timeout_s), device_id=device if device.type == "cuda" else None)
+    groups: dict = {}
+    try:
+        for pair in args.pairs:
+            times = time_pair(pair, args, device, groups)
+            if rank == 0:
+                row = pair_row(pair, times)
+                queue.put(row)
+                print(f"{row['A']:>24} {row['A_ms']:8.2f} ms | {row['B']:>24} {row['B_ms']:8.2f} ms | "
+                      f"B/A {row['B_over_A']:.3f} [{row['B_over_A_q1']:.3f}, {row['B_over_A_q3']:.3f}]", flush=True)
+    finally:
+        for group in groups.values():
+            if group is not None:
+                dist.destroy_process_group(group)
+        dist.destroy_process_group()
+
+
+def parse_pair(text: str) -> tuple[str, str]:
+    names = text.split(":")
+    if len(names) != 2:
+        raise argparse.ArgumentTypeError(f"a pair is A:B, got {text!r}")
+    for name in names:
+        try:
+            Variant.parse(name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return names[0], names[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=lambda s: [parse_pair(p) for p in s.split(",")],
+                        default=[parse_pair(p) for p in DEFAULT_PAIRS], help="comma-separated A:B variant pairs")
+    parser.add_argument("--size", default="xl")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--context-length", type=int, default=512)
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations (each steps A and B)")
+    parser.add_argument("--iterations", type=int, default=12, help="timed iterations (each steps A and B)")
+    parser.add_argument("--timeout-s", type=int, default=600)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and args.nproc > torch.cuda.device_count():
+        parser.error(f"--nproc {args.nproc} needs that many GPUs; {torch.cuda.device_count()} visible")
+    if args.nproc < 2:
+        parser.error("--nproc must be at least 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    queue = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_worker, args=(args, _free_port(), queue), nprocs=args.nproc, join=True)
+    finally:
+        rows = []
+        while not queue.empty():
+            rows.append(queue.get())
+        if rows:
+            stem = f"ddp_paired_{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
+            notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}. "
+                     f"Both variants of a pair resident at once, steps alternating A B / B A over {args.iterations} "
+                     f"timed iterations after {args.warmup} warm-up ones; each step starts on all ranks together "
+                     "and counts on the slowest. B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
+                     "for single:X pairs, 1 / B_over_A is X's scaling efficiency.")
+            write_results(stem, rows, title="Data-parallel variants, paired A/B step times", notes=notes,
+                          out_dir=args.out_dir)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
