@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import triton
-import triton.testing
 from triton.runtime.interpreter import InterpretedFunction
 
 from lm_systems.attention.flash_triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
@@ -101,15 +100,8 @@ def _pruner(kind: str):
     return prune
 
 
-def _time_candidate(kernel_call, quantiles):
-    """Time one candidate for ~25 ms after 5 ms of warm-up (Triton's default, 25 + 100 ms, made a sweep
-    over many shapes spend minutes tuning); enough calls to rank tiles even for the longest kernels."""
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
-
-
 def _autotuned(configs: list[triton.Config], kind: str, kernel):
-    return triton.autotune(configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _pruner(kind)},
-                           do_bench=_time_candidate)(kernel)
+    return triton.autotune(configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _pruner(kind)})(kernel)
 
 
 attn_fwd = _autotuned(FWD_CONFIGS, "fwd", attn_fwd_kernel)

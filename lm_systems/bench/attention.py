@@ -275,7 +275,7 @@ def _write_flash(rows: list[dict], args, complete: bool) -> None:
             f"(rep {args.rep_ms} ms). 'rect' rows: N_q = N_k / 4, queries end-aligned to the keys. "
             "TFLOP/s count only the (query, key) pairs causal attention keeps (forward 4·d per pair, "
             "backward 2.5×). OOM: out of memory; unsupported: the backend refused the dtype or shape; "
-            f"skipped: flash_torch beyond {args.flash_torch_max_pairs:.0e} score elements (minutes per point)."
+            f"skipped: flash_torch beyond {args.flash_torch_max_pairs:.2g} score elements (minutes per point)."
         ),
         columns=columns, out_dir=args.out_dir, plot=lambda path: _plot_flash(rows, path),
     )
