@@ -269,15 +269,21 @@ def visit(name: str, attention: str, args: argparse.Namespace, device: torch.dev
     result = None
     if runs_here:
         gc.collect()
+        held_before = 0
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            held_before = torch.cuda.memory_allocated(device)
         try:
             run = build(variant, config, device, group)
             g = torch.Generator(device=device).manual_seed(1000 + rank)
             batches = [torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1),
                                      device=device, generator=g) for _ in range(2)]
             result = measure(run, variant, batches, args, device)
+            # What an earlier visit left allocated (torch DDP on a process group of our own was seen to hold
+            # ~8 GB past its visit) is not this variant's: count the peak above the start.
+            result["peak_mem"] -= held_before
+            result["held_before"] = held_before
             for cleanup in run.cleanup:
                 cleanup()
         except Exception as error:  # e.g. a kernel that fails to compile: every rank fails alike, and goes on
@@ -300,6 +306,7 @@ def visit(name: str, attention: str, args: argparse.Namespace, device: torch.dev
         **{f"{k}_ms": max(r[f"{k}_s"] for r in ranks) * 1e3 for k in ("forward", "backward", "sync", "optimizer")},
         "tokens_per_s": nproc * args.batch_size * args.context_length / step_s,
         "peak_mem_GB": max(r["peak_mem"] for r in ranks) / GB,
+        "held_before_GB": max(r["held_before"] for r in ranks) / GB,
         "opt_state_GB": max(r["opt_state"] for r in ranks) / GB,
         "replicas_equal": len({r["checksum"] for r in ranks}) == 1,
         **ranks[0]["timeline"],
@@ -484,7 +491,9 @@ def write_tables(rows: list[dict], args: argparse.Namespace) -> None:
               f"variants interleaved over {args.rounds} rounds, a fresh model per visit; {args.warmup} warm-up, "
               f"{args.steps} timed steps (median, slowest rank), {args.instrumented_steps} phase-instrumented steps. "
               "sync_ms: gradient averaging left after backward (torch DDP waits inside backward, so 0 there). "
-              "scaling_eff: single-rank step time / step time. vs_torch_ddp: step-time ratio in the same round.")
+              "scaling_eff: single-rank step time / step time. vs_torch_ddp: step-time ratio in the same round. "
+              "peak_mem_GB: the visit's peak allocation above what was allocated when it started "
+              "(held_before_GB in the per-round file).")
     columns = ["variant", "attention", "nproc", "step_ms", "vs_torch_ddp", "scaling_eff", "tokens_per_s", "forward_ms",
                "backward_ms", "sync_ms", "optimizer_ms", *(TIMELINE_COLUMNS if args.profile else []), "peak_mem_GB",
                "opt_state_GB", "replicas_equal", "rounds"]
