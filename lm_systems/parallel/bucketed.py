@@ -39,12 +39,13 @@ class DDPBucketed(OverlappedDDP):
 
     Gradients live in the buckets (as torch DDP's ``gradient_as_bucket_view``): the buckets of one device
     and dtype are consecutive slices of one flat buffer, and each ``param.grad`` is a view into its
-    bucket. The first forward with grad enabled after a synchronisation points every ``.grad`` at its view
-    (zeroed where the optimizer had set it to ``None``: one fill of the flat buffer when all were), so
-    autograd accumulates straight into the buckets in C++, the per-gradient hooks only count arrivals, and
-    the averaged result is already in ``.grad``: no copies in or out, which matters because the hooks run
-    on autograd's thread between backward's kernel launches. A gradient that arrives elsewhere anyway (a
-    backward through ``.module`` directly) is copied into its view once.
+    bucket. The first gradient to arrive after a synchronisation points every other ``.grad`` at its view
+    (zeroed where it was ``None``: one fill of the flat buffer when all were), so autograd accumulates the
+    rest straight into the buckets in C++, the per-gradient hooks only count arrivals, and the averaged
+    result is already in ``.grad``: no copies in or out, which matters because the hooks run on autograd's
+    thread between backward's kernel launches. Attaching at the first arrival, not at the forward, keeps
+    this right when gradients are zeroed between forward and backward (as Lightning does). A gradient that
+    arrives outside its view anyway is copied into it once.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
@@ -57,31 +58,27 @@ class DDPBucketed(OverlappedDDP):
                             for buffer, bucket in zip(self._flat_buffers, self._units)]
         self._views = [view for views in self._grad_views for view in views]  # aligned with self._params
         self._attached = False
-        self._had_grad = [False] * len(self._params)  # at attachment: .grad was not None
+        self._had_grad = [False] * len(self._params)  # at attachment: .grad held a gradient already
 
     @property
     def buckets(self) -> list[list[nn.Parameter]]:
         """The parameters of each bucket, in launch order."""
         return self._units
 
-    def forward(self, *args, **kwargs):
-        if not self._attached and torch.is_grad_enabled():
-            self._attach_gradients()
-        return self.module(*args, **kwargs)
-
     @torch.no_grad()
     def _attach_gradients(self) -> None:
+        """Point every ``.grad`` at its bucket view, keeping whatever gradient it holds."""
         grads = [p.grad for p in self._params]
         self._had_grad = [g is not None for g in grads]
-        none_held = not any(self._had_grad)
-        if none_held:
+        fill = not any(g is v for g, v in zip(grads, self._views))  # no view holds a gradient to keep
+        if fill:
             for arena in self._arenas:
                 arena.zero_()
         for param, view, grad in zip(self._params, self._views, grads):
             if grad is view:
                 continue
             if grad is None:
-                if not none_held:
+                if not fill:
                     view.zero_()
             elif grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
@@ -89,6 +86,9 @@ class DDPBucketed(OverlappedDDP):
         self._attached = True
 
     def _place_gradient(self, unit: int, index: int, param: nn.Parameter) -> None:
+        if not self._attached:
+            self._attach_gradients()
+            return
         view = self._grad_views[unit][index]
         if param.grad is not view:
             with torch.no_grad():
@@ -99,7 +99,9 @@ class DDPBucketed(OverlappedDDP):
     def _local_presence(self) -> list[bool]:
         if not self._attached:
             return super()._local_presence()
-        return [had or got for had, got in zip(self._had_grad, self._got_grad)]
+        # A view attached to a parameter that held no gradient, and got none since, is not a gradient.
+        return [p.grad is not None and (p.grad is not view or had or got)
+                for p, view, had, got in zip(self._params, self._views, self._had_grad, self._got_grad)]
 
     def _launch(self, unit: int) -> PendingAverage:
         return self._averager.start(self._flat_buffers[unit])
@@ -117,6 +119,7 @@ class DDPBucketed(OverlappedDDP):
     def _reset(self) -> None:
         super()._reset()
         self._attached = False
+        self._had_grad = [False] * len(self._params)
 
 
 def _carve_buckets(buckets: list[list[nn.Parameter]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -1,5 +1,7 @@
 """NaiveDDP, DDPIndividualParameters and DDPBucketed on two gloo ranks against single-process training."""
 
+import copy
+
 import pytest
 import torch
 
@@ -84,23 +86,63 @@ def test_bf16_gradient_communication_sends_bf16(runs):
 
 
 def test_bucketed_gradients_live_in_the_buckets(single_rank_group):
-    """After zero_grad(set_to_none=True), the next forward points each .grad at its bucket view, so backward
-    accumulates in place and the mean needs no copy out; a parameter no backward reached goes back to None."""
+    """After zero_grad(set_to_none=True) every .grad that backward reaches is a view into one flat buffer,
+    the same view each step (autograd accumulates in place, the mean needs no copy out); a parameter no
+    backward reached stays None."""
     from lm_systems.parallel import DDPBucketed
 
     model = DDPBucketed(ToyNet(), bucket_size_mb=0.002)
+    trainable = {name: p for name, p in model.module.named_parameters() if p.requires_grad}
+    seen = []
     for _ in range(2):
         for p in model.parameters():
             p.grad = None
-        loss = model(torch.randint(0, VOCAB, (2, 5)), use_rank0_only=True).sum()
-        views = {id(p): p.grad for p in model.module.parameters() if p.requires_grad}
-        assert all(v is not None for v in views.values())
-        loss.backward()
+        model(torch.randint(0, VOCAB, (2, 5)), use_rank0_only=True).sum().backward()
         model.finish_gradient_synchronization()
-        for name, p in model.module.named_parameters():
-            if not p.requires_grad:
-                continue
-            if name.startswith("never_used"):
-                assert p.grad is None
-            else:
-                assert p.grad is views[id(p)], name
+        assert trainable["never_used.weight"].grad is None
+        grads = {name: p.grad for name, p in trainable.items() if not name.startswith("never_used")}
+        assert all(g is not None for g in grads.values())
+        assert len({g.untyped_storage().data_ptr() for g in grads.values()}) == 1, "one flat buffer"
+        seen.append(grads)
+    assert all(seen[0][name] is seen[1][name] for name in seen[0]), "the same bucket views every step"
+
+
+class _Switch(torch.nn.Module):
+    """Uses ``b`` only when asked: a parameter that had a gradient last step and gets none this step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+@pytest.mark.parametrize("zero_grad_after_forward", [False, True])
+def test_bucketed_matches_one_process_when_a_parameter_drops_out(single_rank_group, zero_grad_after_forward):
+    """Lightning zeroes gradients after the forward, before backward: a parameter with a gradient in step 1
+    and none in step 2 must end step 2 with grad None (AdamW then skips it), exactly as in one process."""
+    from lm_systems.parallel import DDPBucketed
+
+    torch.manual_seed(0)
+    reference = _Switch()
+    model = DDPBucketed(copy.deepcopy(reference), bucket_size_mb=1e-4)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (reference, model.module)]
+    x = torch.randn(3, 4)
+    for use_b in (True, False, False):
+        for net, optimizer, finish in ((reference, optimizers[0], None),
+                                       (model, optimizers[1], model.finish_gradient_synchronization)):
+            if not zero_grad_after_forward:
+                optimizer.zero_grad(set_to_none=True)
+            loss = net(x, use_b).square().sum()
+            if zero_grad_after_forward:
+                optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if finish:
+                finish()
+        assert (model.module.b.weight.grad is None) == (reference.b.weight.grad is None)
+        for optimizer in optimizers:
+            optimizer.step()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.module.state_dict()[name], value, msg=name)
