@@ -18,7 +18,6 @@ backward 2.5× the forward (five products against two), the FlashAttention-2 pap
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Callable
 

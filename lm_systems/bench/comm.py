@@ -14,32 +14,18 @@ With NCCL, ``--ops sum,avg`` also compares ReduceOp.AVG (what the DDP containers
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import RESULTS_DIR, write_results
 
 MB = 1_000_000
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_all_reduce(tensor: torch.Tensor, op, warmup: int, iters: int) -> float:
@@ -47,24 +33,18 @@ def time_all_reduce(tensor: torch.Tensor, op, warmup: int, iters: int) -> float:
     times = []
     for i in range(warmup + iters):
         dist.barrier()
-        _sync(tensor.device)
+        synchronize(tensor.device)
         start = time.perf_counter()
         dist.all_reduce(tensor, op=op)
-        _sync(tensor.device)
+        synchronize(tensor.device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(args.backend, rank=rank, world_size=args.nproc, timeout=timedelta(seconds=args.timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    device = init_rank(rank, args.nproc, port, args.backend, args.timeout_s)
     try:
-        rows = []
         for op_name in args.ops:
             for size_mb in args.sizes_mb:
                 numel = int(size_mb * MB) // 4
@@ -73,15 +53,15 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX)  # the collective is as slow as its slowest rank
                 seconds = local.item()
                 nbytes = numel * 4
-                rows.append({
+                row = {
                     "backend": args.backend, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "nproc": args.nproc, "op": op_name, "size_mb": size_mb, "time_ms": seconds * 1e3,
                     "algbw_GBps": nbytes / seconds / 1e9,
                     "busbw_GBps": 2 * (args.nproc - 1) / args.nproc * nbytes / seconds / 1e9,
-                })
+                }
+                if rank == 0:
+                    queue.put(row)
                 del tensor
-        if rank == 0:
-            queue.put(rows)
     finally:
         dist.destroy_process_group()
 
@@ -138,9 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(args, _free_port(), queue), nprocs=args.nproc, join=True)
-    rows = queue.get()
+    return spawn_ranks(_worker, args, args.nproc, lambda rows: _write(rows, args))
+
+
+def _write(rows: list[dict], args: argparse.Namespace) -> None:
     name = args.name or f"comm_{args.backend}_{args.nproc}proc"
     write_results(
         name, rows, title=f"All-reduce, {args.backend}, {args.nproc} processes, float32",
@@ -149,7 +130,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         columns=["backend", "device", "nproc", "op", "size_mb", "time_ms", "algbw_GBps", "busbw_GBps"],
         plot=_plot(rows), out_dir=args.out_dir,
     )
-    return rows
 
 
 if __name__ == "__main__":

@@ -34,27 +34,24 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import socket
 import statistics
 import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from lm_systems.attention import attention_names
 from lm_systems.bench.gpu_timeline import profile_kernels
+from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import RESULTS_DIR, write_results
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
@@ -162,11 +159,6 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
                [container.remove_hooks])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     inner = {ShardedOptimizer: lambda o: o.local_optimizer, ZeroRedundancyOptimizer: lambda o: o.optim}
     optimizer = inner.get(type(optimizer), lambda o: o)(optimizer)
@@ -201,7 +193,7 @@ def make_step(run: Run, variant: Variant, args: argparse.Namespace,
 
         def mark() -> None:
             if phases is not None:
-                _sync(device)
+                synchronize(device)
                 marks.append(time.perf_counter())
 
         run.optimizer.zero_grad(set_to_none=True)
@@ -231,14 +223,14 @@ def measure(run: Run, variant: Variant, batches: list[torch.Tensor], args: argpa
         step(batches[i % len(batches)])
     step_times = []
     for i in range(args.steps):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         step(batches[i % len(batches)])
-        _sync(device)
+        synchronize(device)
         step_times.append(time.perf_counter() - start)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "sync": [], "optimizer": []}
     for i in range(args.instrumented_steps):
-        _sync(device)
+        synchronize(device)
         step(batches[i % len(batches)], phases)
     timeline = profile_kernels(lambda: step(batches[0])) if args.profile else {}
     params = [p for p in run.optimizer.param_groups[0]["params"]]
@@ -374,12 +366,6 @@ def _bar_plot(summary: list[dict], value: str, label: str, title: str, group_by_
     return plot
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _agree(value: bool) -> bool:
     """Rank 0's decision, on every rank."""
     decision = [value]
@@ -389,15 +375,7 @@ def _agree(value: bool) -> bool:
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     """Rank 0 sends each row as soon as it is measured, so a later failure still leaves the earlier ones."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)  # one core per rank, as one GPU per rank
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.nproc,
-                            timeout=timedelta(seconds=args.timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    device = init_rank(rank, args.nproc, port, "nccl" if args.device == "cuda" else "gloo", args.timeout_s)
     start = time.perf_counter()
     # Round 0, then the matrix, then the repeat rounds: a time budget cuts repeats before whole tables.
     rounds = [[(r, v, args.attention) for v in args.variants] for r in range(args.rounds)]
@@ -420,8 +398,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_setup_args(parser: argparse.ArgumentParser) -> None:
+    """The model, batch, precision and process flags every data-parallel benchmark shares."""
     parser.add_argument("--size", default="xl", help="model size (tiny, small, medium, large, xl, 2.7b)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--context-length", type=int, default=512)
@@ -429,6 +407,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
     parser.add_argument("--nproc", type=int, default=None, help="processes, one per GPU (default: all GPUs, or 2 on CPU)")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+
+
+def check_setup_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve ``--device auto`` and the default ``--nproc``; refuse what cannot run."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.nproc is None:
+        args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
+    if args.device == "cuda" and args.nproc > torch.cuda.device_count():
+        parser.error(f"--nproc {args.nproc} needs that many GPUs; {torch.cuda.device_count()} visible")
+    if args.nproc < 2:
+        parser.error("--nproc must be at least 2 (the single-GPU baseline runs inside the same job)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_setup_args(parser)
     parser.add_argument("--attention", default="sdpa", help="attention for the variant table")
     parser.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS,
                         help="comma-separated; bucketed_<MB> for any bucket size; options after '+': "
@@ -444,17 +441,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per visit")
     parser.add_argument("--instrumented-steps", type=int, default=2, help="steps timed phase by phase")
     parser.add_argument("--time-budget-s", type=float, default=float("inf"), help="start no visit after this")
-    parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.nproc is None:
-        args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
-    if args.device == "cuda" and args.nproc > torch.cuda.device_count():
-        parser.error(f"--nproc {args.nproc} needs that many GPUs; {torch.cuda.device_count()} visible")
-    if args.nproc < 2:
-        parser.error("--nproc must be at least 2 (the single-GPU baseline runs inside the same job)")
+    check_setup_args(parser, args)
     for name in [args.attention, *(args.matrix_attention or [])]:
         if name not in attention_names():
             parser.error(f"unknown attention {name!r}; registered: {', '.join(attention_names())}")
@@ -470,16 +458,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    queue = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(_worker, args=(args, _free_port(), queue), nprocs=args.nproc, join=True)
-    finally:
-        rows = []
-        while not queue.empty():
-            rows.append(queue.get())
-        if rows:
-            write_tables(rows, args)
-    return rows
+    return spawn_ranks(_worker, args, args.nproc, lambda rows: write_tables(rows, args))
 
 
 def write_tables(rows: list[dict], args: argparse.Namespace) -> None:

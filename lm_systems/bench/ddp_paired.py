@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import time
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from lm_systems.bench.ddp import Variant, _free_port, _sync, build, make_step
-from lm_systems.bench.report import RESULTS_DIR, write_results
+from lm_systems.bench.ddp import Variant, add_setup_args, build, check_setup_args, make_step
+from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
+from lm_systems.bench.report import write_results
 from lm_systems.config import ModelConfig
 from lm_systems.parallel import gradient_process_group
 
@@ -54,11 +51,11 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
         for which in ((0, 1) if i % 2 == 0 else (1, 0)):
             step = steps[which][0]
             dist.barrier()
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             if step is not None:
                 step(batch)
-            _sync(device)
+            synchronize(device)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= args.warmup:
@@ -83,14 +80,7 @@ def pair_row(names: tuple[str, str], times: tuple[list[float], list[float]]) -> 
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.nproc,
-                            timeout=timedelta(seconds=args.timeout_s), device_id=device if device.type == "cuda" else None)
+    device = init_rank(rank, args.nproc, port, "nccl" if args.device == "cuda" else "gloo", args.timeout_s)
     groups: dict = {}
     try:
         for pair in args.pairs:
@@ -123,46 +113,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=lambda s: [parse_pair(p) for p in s.split(",")],
                         default=[parse_pair(p) for p in DEFAULT_PAIRS], help="comma-separated A:B variant pairs")
-    parser.add_argument("--size", default="xl")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--context-length", type=int, default=512)
-    parser.add_argument("--vocab-size", type=int, default=None)
-    parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    add_setup_args(parser)
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations (each steps A and B)")
     parser.add_argument("--iterations", type=int, default=12, help="timed iterations (each steps A and B)")
-    parser.add_argument("--timeout-s", type=int, default=600)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and args.nproc > torch.cuda.device_count():
-        parser.error(f"--nproc {args.nproc} needs that many GPUs; {torch.cuda.device_count()} visible")
-    if args.nproc < 2:
-        parser.error("--nproc must be at least 2")
+    check_setup_args(parser, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    queue = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(_worker, args=(args, _free_port(), queue), nprocs=args.nproc, join=True)
-    finally:
-        rows = []
-        while not queue.empty():
-            rows.append(queue.get())
-        if rows:
-            stem = f"ddp_paired_{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
-            notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}. "
-                     f"Both variants of a pair resident at once, steps alternating A B / B A over {args.iterations} "
-                     f"timed iterations after {args.warmup} warm-up ones; each step starts on all ranks together "
-                     "and counts on the slowest. B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
-                     "for single:X pairs, 1 / B_over_A is X's scaling efficiency.")
-            write_results(stem, rows, title="Data-parallel variants, paired A/B step times", notes=notes,
-                          out_dir=args.out_dir)
-    return rows
+    return spawn_ranks(_worker, args, args.nproc, lambda rows: _write(rows, args))
+
+
+def _write(rows: list[dict], args: argparse.Namespace) -> None:
+    stem = f"ddp_paired_{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
+    notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}. "
+             f"Both variants of a pair resident at once, steps alternating A B / B A over {args.iterations} "
+             f"timed iterations after {args.warmup} warm-up ones; each step starts on all ranks together "
+             "and counts on the slowest. B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
+             "for single:X pairs, 1 / B_over_A is X's scaling efficiency.")
+    write_results(stem, rows, title="Data-parallel variants, paired A/B step times", notes=notes, out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from lm_systems.attention import attention_names, resolve_attention_name
+from lm_systems.bench.ranks import synchronize
 from lm_systems.bench.report import write_results
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.hardware import peak_flops
@@ -82,11 +83,6 @@ def residual_bytes(case: Case) -> int:
     return case.batch_size * case.context * d_model * torch.finfo(torch.float32).bits // 8
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _run_step(model, optimizer, tokens: torch.Tensor, case: Case) -> None:
     autocast = (
         torch.autocast(tokens.device.type, dtype=torch.bfloat16) if case.precision == "bf16" else nullcontext()
@@ -119,7 +115,7 @@ def measure(model, case: Case, device: torch.device, snapshot_dir: Path | None =
         with nvtx_range("warmup"):
             for _ in range(case.warmup):
                 _run_step(model, optimizer, tokens, case)
-        _sync(device)
+        synchronize(device)
         if snapshot_dir is not None:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         times = []
@@ -128,7 +124,7 @@ def measure(model, case: Case, device: torch.device, snapshot_dir: Path | None =
                 with nvtx_range(f"step_{i}"):
                     start = time.perf_counter()
                     _run_step(model, optimizer, tokens, case)
-                    _sync(device)
+                    synchronize(device)
                     times.append(time.perf_counter() - start)
         if snapshot_dir is not None:
             path = snapshot_dir / f"memory_snapshot_{case.size}_ctx{case.context}_{case.mode}_{case.precision}.pickle"
