@@ -7,11 +7,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
-
-import torch
 
 from lm_systems.parallel.collectives import GradientAverager, broadcast_module_state, require_process_group
 
