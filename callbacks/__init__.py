@@ -1,4 +1,5 @@
-"""Lightning callbacks for profiling training: NVTX ranges, CUDA memory snapshots, step timing, tokens/s and MFU.
+"""Lightning callbacks for profiling training: NVTX ranges, CUDA memory snapshots, step timing, tokens/s and MFU
+(and the step-bounded progress bar train.py uses).
 
 Each takes typed keyword arguments, so LightningCLI can build it from YAML or the command line:
 ``--trainer.callbacks+=callbacks.StepTimer --trainer.callbacks.warmup_steps=2``.
@@ -6,7 +7,8 @@ Each takes typed keyword arguments, so LightningCLI can build it from YAML or th
 
 from callbacks.memory_snapshot import MemorySnapshot
 from callbacks.nvtx_ranges import NVTXRanges
+from callbacks.progress import StepsProgressBar
 from callbacks.step_timing import StepTimer
 from callbacks.throughput import MFUMonitor
 
-__all__ = ["MFUMonitor", "MemorySnapshot", "NVTXRanges", "StepTimer"]
+__all__ = ["MFUMonitor", "MemorySnapshot", "NVTXRanges", "StepTimer", "StepsProgressBar"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 from typing import Optional, Union
 
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
+from callbacks.progress import StepsProgressBar
 
 from lm_systems.checkpointing import IntervalCheckpoint
 from lm_systems.config import ModelConfig
@@ -71,6 +73,9 @@ class LMCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)  # with the callbacks from YAML and --trainer.callbacks
         trainer.callbacks.append(IntervalCheckpoint(self._get(self.config, "checkpointing_interval", default=0)))
+        bar = trainer.progress_bar_callback
+        if type(bar) is RichProgressBar:  # Lightning's default when rich is installed
+            trainer.callbacks[trainer.callbacks.index(bar)] = StepsProgressBar()
         return trainer
 
 

@@ -77,3 +77,24 @@ def test_empty_corpus_names_the_flag(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="--data.corpus"):
         main([*FAST, "--max_steps", "1", "--data.corpus", str(tmp_path / "empty.txt")])
+
+
+def test_progress_bar_has_no_negative_epoch_total():
+    """Training by steps leaves max_epochs at -1; Lightning's rich bar read "Epoch 0/-2" there."""
+    pytest.importorskip("rich")
+    import lightning.pytorch as L
+
+    from callbacks import StepsProgressBar
+
+    for max_epochs, expected in ((-1, "Epoch 0"), (3, "Epoch 0/2")):
+        bar = StepsProgressBar()
+        bar.setup(L.Trainer(max_steps=5, max_epochs=max_epochs, callbacks=[bar], logger=False), None, "fit")
+        assert bar._get_train_description(0).strip() == expected
+
+
+def test_train_py_uses_the_steps_progress_bar():
+    pytest.importorskip("rich")
+    from callbacks import StepsProgressBar
+
+    cli = main([*FAST, "--max_steps", "1", "--trainer.enable_progress_bar", "true", "--trainer.limit_val_batches", "0"])
+    assert isinstance(cli.trainer.progress_bar_callback, StepsProgressBar)
