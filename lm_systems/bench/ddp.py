@@ -407,6 +407,7 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
     parser.add_argument("--nproc", type=int, default=None, help="processes, one per GPU (default: all GPUs, or 2 on CPU)")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--attention", default="sdpa", help="the model's attention (the variant table's, for bench.ddp)")
     parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
 
@@ -421,12 +422,13 @@ def check_setup_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"--nproc {args.nproc} needs that many GPUs; {torch.cuda.device_count()} visible")
     if args.nproc < 2:
         parser.error("--nproc must be at least 2 (the single-GPU baseline runs inside the same job)")
+    if args.attention not in attention_names():
+        parser.error(f"unknown attention {args.attention!r}; registered: {', '.join(attention_names())}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_args(parser)
-    parser.add_argument("--attention", default="sdpa", help="attention for the variant table")
     parser.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS,
                         help="comma-separated; bucketed_<MB> for any bucket size; options after '+': "
                              "+hp, +normal, +ctas<k>, +bf16 (see above)")
@@ -443,7 +445,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-budget-s", type=float, default=float("inf"), help="start no visit after this")
     args = parser.parse_args(argv)
     check_setup_args(parser, args)
-    for name in [args.attention, *(args.matrix_attention or [])]:
+    for name in args.matrix_attention or []:
         if name not in attention_names():
             parser.error(f"unknown attention {name!r}; registered: {', '.join(attention_names())}")
     if args.matrix_attention is None:

@@ -35,7 +35,8 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
               groups: dict) -> tuple[list[float], list[float]]:
     """Alternating step times (seconds, slowest rank) of the two variants, on every rank."""
     rank = dist.get_rank()
-    config = ModelConfig.from_name(args.size, context_length=args.context_length, vocab_size=args.vocab_size)
+    config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=args.attention,
+                                   vocab_size=args.vocab_size)
     g = torch.Generator(device=device).manual_seed(1000 + rank)
     batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
     steps = []
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _write(rows: list[dict], args: argparse.Namespace) -> None:
     stem = f"ddp_paired_{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
-    notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}. "
+    notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
+             f"{args.attention} attention. "
              f"Both variants of a pair resident at once, steps alternating A B / B A over {args.iterations} "
              f"timed iterations after {args.warmup} warm-up ones; each step starts on all ranks together "
              "and counts on the slowest. B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "

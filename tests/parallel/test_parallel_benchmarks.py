@@ -70,3 +70,6 @@ def test_paired_bench_names_a_bad_pair():
         ddp_paired.parse_args(["--device", "cpu", "--pairs", "torch_ddp"])
     with pytest.raises(SystemExit):
         ddp_paired.parse_args(["--device", "cpu", "--pairs", "torch_ddp:bucketed_x"])
+    with pytest.raises(SystemExit):
+        ddp_paired.parse_args(["--device", "cpu", "--attention", "fastest"])
+    assert ddp_paired.parse_args(["--device", "cpu"]).attention == "sdpa"  # as bench.ddp's variant table
