@@ -25,6 +25,11 @@ from lm_systems.attention.registry import register_attention
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PREPROCESS_BLOCK = 64  # rows per program of the memory-bound D = rowsum(dO ∘ O) kernel
+# Grid order: heads-first grids (B·H, tiles) launch the longest causal tiles of every head first, so
+# the tail of a launch holds only short programs; tiles-first grids (tiles, B·H) keep fewer heads' K and
+# V in flight, which pays at d = 128. A/B on an H100 (benchmarks/results/attention_grid_order.md):
+# heads-first 3% faster fwd+bwd at B1 H16 N16384 d64 (fwd 6%), 1% slower at d128 (fwd 7%).
+HEADS_FIRST_MAX_HEAD_DIM = 64
 
 
 def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -66,7 +71,18 @@ def _kernel_dims(d: int, n_q: int, n_k: int) -> dict:
         "N_K_KEY": triton.next_power_of_2(n_k),
         "HEAD_DIM": d,
         "HEAD_DIM_PAD": max(16, triton.next_power_of_2(d)),
+        "HEADS_FIRST": d <= HEADS_FIRST_MAX_HEAD_DIM,
     }
+
+
+def _grid(n: int, block: str, batch_heads: int, heads_first: bool):
+    """The launch grid over ``n`` rows in tiles of ``meta[block]``, for every (batch, head)."""
+
+    def grid(meta):
+        tiles = triton.cdiv(n, meta[block])
+        return (batch_heads, tiles) if heads_first else (tiles, batch_heads)
+
+    return grid
 
 
 # The launches are custom ops: torch.compile then treats each as one opaque call with a shape-only
@@ -82,12 +98,10 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bo
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # indexed as (B·H, N_q)
     out4 = _as_bhnd(out)
 
-    def grid(meta):
-        return triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads
-
-    attn_fwd[grid](
+    dims = _kernel_dims(d, n_q, n_k)
+    attn_fwd[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
         q4, k4, v4, out4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4),
-        heads, n_q, n_k, 1.0 / math.sqrt(d), CAUSAL=is_causal, **_kernel_dims(d, n_q, n_k),
+        heads, n_q, n_k, 1.0 / math.sqrt(d), CAUSAL=is_causal, **dims,
     )
     return out, lse
 
@@ -118,18 +132,12 @@ def _backward_op(
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
     dq4, dk4, dv4 = _as_bhnd(dq), _as_bhnd(dk), _as_bhnd(dv)
 
-    def dkdv_grid(meta):
-        return triton.cdiv(n_k, meta["BLOCK_N"]), batch * heads
-
-    def dq_grid(meta):
-        return triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads
-
-    attn_bwd_dkdv[dkdv_grid](
+    attn_bwd_dkdv[_grid(n_k, "BLOCK_N", batch * heads, dims["HEADS_FIRST"])](
         q4, k4, v4, do4, lse, delta, dk4, dv4,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk4), *_strides(dv4),
         heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
     )
-    attn_bwd_dq[dq_grid](
+    attn_bwd_dq[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
         q4, k4, v4, do4, lse, delta, dq4,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq4),
         heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,

@@ -40,13 +40,13 @@ FWD_CONFIGS = _configs([
     (64, 32, 4, 2),
 ])
 DQ_CONFIGS = _configs([
-    (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 4, 5),
-    (64, 32, 4, 2),
+    (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 128, 8, 3),
+    (128, 32, 4, 4), (128, 32, 4, 5), (64, 32, 4, 2),
 ])
 # dK/dV: a program owns BLOCK_N keys and streams Q, dO in BLOCK_M tiles.
 DKDV_CONFIGS = _configs([
-    (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 8, 3), (32, 128, 4, 3), (32, 64, 4, 4),
-    (32, 64, 4, 2),
+    (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 8, 3), (64, 128, 8, 4), (32, 128, 4, 3),
+    (32, 128, 4, 4), (32, 128, 4, 5), (32, 64, 4, 4), (32, 64, 4, 2),
 ])
 INTERPRETER_CONFIG = {
     "fwd": triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1),
@@ -107,3 +107,9 @@ def _autotuned(configs: list[triton.Config], kind: str, kernel):
 attn_fwd = _autotuned(FWD_CONFIGS, "fwd", attn_fwd_kernel)
 attn_bwd_dq = _autotuned(DQ_CONFIGS, "dq", attn_bwd_dq_kernel)
 attn_bwd_dkdv = _autotuned(DKDV_CONFIGS, "dkdv", attn_bwd_dkdv_kernel)
+
+
+def tuned_configs() -> dict[str, dict[tuple, str]]:
+    """The config each autotuned kernel chose, per tuning key, so benchmark results can say what ran."""
+    return {name: {key: str(config) for key, config in kernel.cache.items()}
+            for name, kernel in (("fwd", attn_fwd), ("dq", attn_bwd_dq), ("dkdv", attn_bwd_dkdv))}

@@ -17,6 +17,7 @@ from lm_systems.attention.flash_triton_forward import (
     LOG2_E,
     _key_ranges,
     _load_rows,
+    _program_tile,
     _store_rows,
 )
 
@@ -84,10 +85,10 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                          stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                          num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """One program: BLOCK_N keys of one (batch, head); walks every query tile that sees them."""
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
+    tile, _, bh = _program_tile(HEADS_FIRST)
+    start_n = tile * BLOCK_N
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     Q += b * stride_qb + h * stride_qh
@@ -172,12 +173,12 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                        stride_dqb, stride_dqh, stride_dqn,
                        num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head); walks every key tile they see."""
     # Last query tiles first: under a causal mask they have the most keys to visit, and starting the
     # longest programs first leaves short ones, not long ones, for the tail of the launch.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
+    tile, tiles, bh = _program_tile(HEADS_FIRST)
+    start_m = (tiles - 1 - tile) * BLOCK_M
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     Q += b * stride_qb + h * stride_qh

@@ -51,6 +51,15 @@ def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_D
 
 
 @triton.jit
+def _program_tile(HEADS_FIRST: tl.constexpr):
+    """(tile index, tile count, batch·head index) of this program; HEADS_FIRST: the grid is (B·H, tiles)."""
+    if HEADS_FIRST:
+        return tl.program_id(1), tl.num_programs(1), tl.program_id(0)
+    else:
+        return tl.program_id(0), tl.num_programs(0), tl.program_id(1)
+
+
+@triton.jit
 def _key_ranges(start_m, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """For query rows [start_m, start_m + BLOCK_M): keys [0, a) need no mask; keys [a, b) need one."""
     full_end = (n_k // BLOCK_N) * BLOCK_N  # key tiles with no ragged end
@@ -107,12 +116,12 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                     num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head); writes O and L for them."""
     # Last query tiles first: under a causal mask they have the most keys to visit, and starting the
     # longest programs first leaves short ones, not long ones, for the tail of the launch.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
+    tile, tiles, bh = _program_tile(HEADS_FIRST)
+    start_m = (tiles - 1 - tile) * BLOCK_M
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     Q += b * stride_qb + h * stride_qh

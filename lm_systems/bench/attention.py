@@ -337,6 +337,10 @@ def headline(args) -> None:
                     row[f"{part}_vs_{base}"] = ref / t if ok else ""
             rows.append(row)
         q = k = v = None
+    from lm_systems.attention.flash_triton_autotune import tuned_configs
+
+    chosen = "; ".join(f"{kind} {key[:4]}: {config}" for kind, configs in tuned_configs().items()
+                       for key, config in configs.items())
     rows += _naive_rows(args)
     ratio_cols = [f"{p}_vs_{b}" for p in ("fwd+bwd", "bwd") for b in ("sdpa_flash", "sdpa_cudnn")]
     write_results(
@@ -347,7 +351,8 @@ def headline(args) -> None:
             f"(rep {args.rep_ms} ms). flash_triton_compiled is torch.compile(FlashAttention2Triton.apply), "
             "flash_triton the same Function called eagerly. "
             "Ratios are speed-ups: baseline time / this time (above 1 means faster than the baseline). "
-            "naive rows: the model's PyTorch attention at the same shape, to show where it runs out of memory."
+            "naive rows: the model's PyTorch attention at the same shape, to show where it runs out of memory. "
+            f"Tiles the autotuner chose (N_q, N_k, d, causal): {chosen}."
         ),
         columns=["impl", "d", "fwd_ms", "bwd_ms", "fwd+bwd_ms", "fwd+bwd_TFLOPs", *ratio_cols],
         out_dir=args.out_dir,
