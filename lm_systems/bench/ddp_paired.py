@@ -3,9 +3,11 @@
 On the lent GPU hosts step times drift by ±20% within minutes, even for one GPU alone, which swamps
 differences of a few percent between variants measured tens of seconds apart (``bench.ddp`` visits one
 variant at a time). Here both variants of a pair live on the GPUs at once and their steps alternate
-(A B, B A, A B, ...); every step starts on all ranks together (a barrier) and is timed to completion on
-the slowest rank. The pair's ratio is the median over iterations of B's step time over the adjacent
-A's, so drift slower than two steps cancels. ``single`` steps run on rank 0 alone: a pair
+(A B, B A, A B, ...) in turns of ``--steps-per-turn`` back-to-back steps; every turn starts on all
+ranks together (a barrier) and is timed to completion on the slowest rank, per step. Within a turn a
+step's tail overlaps the next step's start, as in training: zero1's parameter exchange, which runs on
+into the next forward, is hidden for all but a turn's last step. The pair's ratio is the median over
+iterations of B's time per step over the adjacent A's, so drift slower than two turns cancels. ``single`` steps run on rank 0 alone: a pair
 ``single:X`` gives X's scaling efficiency (single / X, per-rank throughput against one GPU).
 
 Pairs take bench.ddp's variant names and options (``torch_ddp:bucketed_25+ctas16``).
@@ -54,10 +56,11 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
             dist.barrier()
             synchronize(device)
             start = time.perf_counter()
-            if step is not None:
+            for _ in range(args.steps_per_turn if step is not None else 0):
                 step(batch)
             synchronize(device)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            elapsed = torch.tensor([(time.perf_counter() - start) / args.steps_per_turn], dtype=torch.float64,
+                                   device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= args.warmup:
                 times[which].append(elapsed.item())
@@ -117,8 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_setup_args(parser)
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations (each steps A and B)")
     parser.add_argument("--iterations", type=int, default=12, help="timed iterations (each steps A and B)")
+    parser.add_argument("--steps-per-turn", type=int, default=1,
+                        help="back-to-back steps per variant per turn, timed together (1: every step synchronised)")
     args = parser.parse_args(argv)
     check_setup_args(parser, args)
+    if args.steps_per_turn < 1:
+        parser.error(f"--steps-per-turn must be at least 1, got {args.steps_per_turn}")
     return args
 
 
@@ -131,9 +138,9 @@ def _write(rows: list[dict], args: argparse.Namespace) -> None:
     stem = f"ddp_paired_{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
     notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
              f"{args.attention} attention. "
-             f"Both variants of a pair resident at once, steps alternating A B / B A over {args.iterations} "
-             f"timed iterations after {args.warmup} warm-up ones; each step starts on all ranks together "
-             "and counts on the slowest. B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
+             f"Both variants of a pair resident at once, turns of {args.steps_per_turn} back-to-back step(s) "
+             f"alternating A B / B A over {args.iterations} timed iterations after {args.warmup} warm-up ones; "
+             "each turn starts on all ranks together and counts on the slowest, per step. B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
              "for single:X pairs, 1 / B_over_A is X's scaling efficiency.")
     write_results(stem, rows, title="Data-parallel variants, paired A/B step times", notes=notes, out_dir=args.out_dir)
 

@@ -21,11 +21,11 @@ def test_comm_bench_reports_bus_bandwidth(tmp_path):
 def test_ddp_bench_compares_variants_and_keeps_replicas_equal(tmp_path):
     ddp.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device",
               "cpu", "--nproc", "2", "--steps", "1", "--warmup", "1", "--instrumented-steps", "1", "--rounds", "1",
-              "--variants", "single,torch_ddp,bucketed_1,zero1,bucketed_1+hp+bf16",
+              "--variants", "single,torch_ddp,bucketed_1,zero1,zero1_nooverlap,bucketed_1+hp+bf16",
               "--out-dir", str(tmp_path)])
     with open(tmp_path / "ddp_tiny_2cpu.csv") as f:
         summary = {row["variant"]: row for row in csv.DictReader(f)}
-    assert list(summary) == ["single", "torch_ddp", "bucketed_1", "zero1", "bucketed_1+hp+bf16"]
+    assert list(summary) == ["single", "torch_ddp", "bucketed_1", "zero1", "zero1_nooverlap", "bucketed_1+hp+bf16"]
     assert all(row["replicas_equal"] == "True" for row in summary.values())
     assert float(summary["torch_ddp"]["vs_torch_ddp"]) == 1.0
     # ZeRO-1 keeps half of AdamW's state per rank on two ranks.
@@ -54,9 +54,11 @@ def test_paired_bench_alternates_variants_and_reports_ratios(tmp_path):
     from lm_systems.bench import ddp_paired
 
     rows = ddp_paired.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1",
-                            "--device", "cpu", "--nproc", "2", "--warmup", "1", "--iterations", "3",
-                            "--pairs", "single:bucketed_1,torch_ddp:bucketed_1+bf16", "--out-dir", str(tmp_path)])
-    assert [(r["A"], r["B"]) for r in rows] == [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+bf16")]
+                            "--device", "cpu", "--nproc", "2", "--warmup", "1", "--iterations", "3", "--steps-per-turn",
+                            "2", "--pairs", "single:bucketed_1,torch_ddp:bucketed_1+bf16,bucketed_1:zero1",
+                            "--out-dir", str(tmp_path)])
+    assert [(r["A"], r["B"]) for r in rows] == [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+bf16"),
+                                                ("bucketed_1", "zero1")]
     for row in rows:
         assert row["iterations"] == 3 and row["A_ms"] > 0 and row["B_ms"] > 0
         assert row["B_over_A_q1"] <= row["B_over_A"] <= row["B_over_A_q3"]
@@ -72,4 +74,6 @@ def test_paired_bench_names_a_bad_pair():
         ddp_paired.parse_args(["--device", "cpu", "--pairs", "torch_ddp:bucketed_x"])
     with pytest.raises(SystemExit):
         ddp_paired.parse_args(["--device", "cpu", "--attention", "fastest"])
+    with pytest.raises(SystemExit):
+        ddp_paired.parse_args(["--device", "cpu", "--steps-per-turn", "0"])
     assert ddp_paired.parse_args(["--device", "cpu"]).attention == "sdpa"  # as bench.ddp's variant table
