@@ -351,7 +351,8 @@ def headline(args) -> None:
             f"(rep {args.rep_ms} ms). flash_triton_compiled is torch.compile(FlashAttention2Triton.apply), "
             "flash_triton the same Function called eagerly. "
             "Ratios are speed-ups: baseline time / this time (above 1 means faster than the baseline). "
-            "naive rows: the model's PyTorch attention at the same shape, to show where it runs out of memory. "
+            "naive rows: the model's PyTorch attention at the same shape (and at batch 2, beside flash_triton "
+            "in fp32), to show where it runs out of memory. "
             f"Tiles the autotuner chose (N_q, N_k, d, causal): {chosen}."
         ),
         columns=["impl", "d", "fwd_ms", "bwd_ms", "fwd+bwd_ms", "fwd+bwd_TFLOPs", *ratio_cols],
@@ -365,12 +366,16 @@ def _median(values: list) -> float | str:
 
 
 def _naive_rows(args) -> list[dict]:
+    """Naive attention at the headline shape (bf16, fp32), and at batch 2 in fp32 beside flash_triton: on an
+    80 GB card batch 1 still fits (about 50 GB of scores and softmax), batch 2 does not."""
     rows = []
-    naive = implementations(["naive"])["naive"]
-    for dtype_name in ("bf16", "fp32"):
-        q, k, v = _qkv(1, 16, args.headline_n, args.headline_n, 64, DTYPES[dtype_name])
-        times = time_attention(naive, q, k, v, True, args.rep_ms)
-        rows.append({"impl": f"naive ({dtype_name})", "d": 64, **{f"{p}_ms": t for p, t in times.items()}})
+    impls = implementations(["naive", "flash_triton"])
+    for name, dtype_name, batch in (("naive", "bf16", 1), ("naive", "fp32", 1), ("naive", "fp32", 2),
+                                    ("flash_triton", "fp32", 2)):
+        q, k, v = _qkv(batch, 16, args.headline_n, args.headline_n, 64, DTYPES[dtype_name])
+        times = time_attention(impls[name], q, k, v, True, args.rep_ms)
+        label = f"{name} ({dtype_name}" + (f", B{batch})" if batch > 1 else ")")
+        rows.append({"impl": label, "d": 64, **{f"{p}_ms": t for p, t in times.items()}})
         q = k = v = None
     return rows
 
