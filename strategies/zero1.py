@@ -6,12 +6,11 @@ import warnings
 from typing import Any
 
 from lightning.pytorch import Trainer
-from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lm_systems.parallel import ShardedOptimizer, optimizer_init_kwargs
-from lm_systems.parallel.parameter_exchange import Exchange
+from lm_systems.parallel.sharded_optimizer import Exchange
 from strategies.data_parallel import BucketedDDPStrategy
 
 
@@ -23,23 +22,16 @@ class Zero1Strategy(BucketedDDPStrategy):
     optimizer state (Lightning calls ``consolidate_state_dict`` on every rank, then saves rank 0's), in
     the plain optimizer's format: they resume under zero1 on any number of devices, or under any other
     strategy.
-
-    With ``overlap_exchange`` (the default) each step's parameter exchange runs on into the next forward
-    pass, which waits module by module for the parameters it reaches (checkpoints, validation and
-    ``teardown`` wait for all of them); a model compiled with torch.compile finishes the exchange inside
-    the step instead, since the waiting hooks would sit inside its graph.
     """
 
     strategy_name = "zero1"
     strategy_description = "ZeRO-1: DDPBucketed gradients, ShardedOptimizer state"
 
-    def __init__(self, bucket_size_mb: float = 25.0, exchange: Exchange = "p2p", overlap_exchange: bool = True,
-                 **kwargs: Any) -> None:
+    def __init__(self, bucket_size_mb: float = 25.0, exchange: Exchange = "p2p", **kwargs: Any) -> None:
         if exchange not in ("p2p", "broadcast"):
             raise ValueError(f"exchange must be 'p2p' or 'broadcast', got {exchange!r} (strategy init_args.exchange)")
         super().__init__(bucket_size_mb=bucket_size_mb, **kwargs)
         self._exchange = exchange
-        self._overlap_exchange = overlap_exchange
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -50,16 +42,6 @@ class Zero1Strategy(BucketedDDPStrategy):
                 if config.scheduler.optimizer is original:
                     config.scheduler.optimizer = wrapped
         self.optimizers = sharded
-        if self._overlap_exchange and not _compiled(self.lightning_module):
-            for optimizer in sharded:
-                optimizer.overlap_exchange_with_forward(self.lightning_module)
-
-    @override
-    def teardown(self) -> None:
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, ShardedOptimizer):
-                optimizer.end_overlap()
-        super().teardown()
 
     def _shard(self, optimizer: Optimizer) -> ShardedOptimizer:
         if isinstance(optimizer, ShardedOptimizer):
@@ -73,8 +55,3 @@ class Zero1Strategy(BucketedDDPStrategy):
         # whose step runs in the right order but carries no such mark.
         warnings.filterwarnings("ignore", message="Seems like `optimizer.step\\(\\)` has been overridden")
         return wrapped
-
-
-def _compiled(module: Module) -> bool:
-    """Whether ``module`` or a submodule was compiled in place (``Module.compile()``)."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())

@@ -10,11 +10,8 @@ synchronisation alone). Variants, all interleaved round by round, a fresh model 
   gradients copied into and out of the buckets); ``torch_ddp_view``: the same with
   ``gradient_as_bucket_view=True``;
 - ``naive`` / ``naive_flat`` / ``overlap`` / ``bucketed_<MB>``: lm_systems.parallel's containers;
-- ``zero1`` (p2p parameter exchange), ``zero1_broadcast``: DDPBucketed (25 MB) + ShardedOptimizer with
-  the exchange running on into the next forward (as the zero1 strategy does), ``zero1_nooverlap``: the
-  p2p exchange finished inside the step; ``torch_zero``: torch DDP + torch's ZeroRedundancyOptimizer,
-  its baseline. Steps here are synchronised one by one, which counts the whole exchange in its step:
-  ``bench.ddp_paired --steps-per-turn`` measures the overlap.
+- ``zero1`` (p2p parameter exchange), ``zero1_broadcast``: DDPBucketed (25 MB) + ShardedOptimizer;
+  ``torch_zero``: torch DDP + torch's ZeroRedundancyOptimizer, its baseline.
 
 A variant may carry options after ``+`` (any DDP variant, ours or torch's, so both get the same):
 ``+hp`` all-reduces on an NCCL group with a high-priority stream, ``+ctas<k>`` caps that group's
@@ -64,7 +61,7 @@ from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualP
 GB = 1e9
 DEFAULT_VARIANTS = ["single", "torch_ddp", "torch_ddp_view", "naive", "naive_flat", "overlap", "bucketed_1",
                     "bucketed_10", "bucketed_25", "bucketed_100", "bucketed_1000", "zero1", "zero1_broadcast",
-                    "zero1_nooverlap", "torch_zero"]
+                    "torch_zero"]
 MATRIX_STRATEGIES = ["single", "naive", "bucketed_25", "torch_ddp"]
 TIMELINE_COLUMNS = ["comm_ms", "comm_hidden_frac", "comm_exposed_ms", "gpu_idle_ms", "gpu_span_ms"]
 
@@ -144,14 +141,11 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
         if base == "torch_zero":
             return Run(wrapped, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw))
         return Run(wrapped, torch.optim.AdamW(model.parameters(), **adamw))
-    if base.startswith("zero1"):
+    if base in ("zero1", "zero1_broadcast"):
         container = DDPBucketed(model, bucket_size_mb=25, **comm)
         exchange = "broadcast" if base.endswith("broadcast") else "p2p"
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, exchange=exchange, **adamw)
-        if base != "zero1_nooverlap":
-            optimizer.overlap_exchange_with_forward(model)
-        return Run(container, optimizer, container.finish_gradient_synchronization,
-                   [optimizer.end_overlap, container.remove_hooks])
+        return Run(container, optimizer, container.finish_gradient_synchronization, [container.remove_hooks])
     containers: dict[str, Callable[[], DataParallelModule]] = {
         "naive": lambda: NaiveDDP(model, **comm),
         "naive_flat": lambda: NaiveDDP(model, flat=True, **comm),
@@ -239,8 +233,6 @@ def measure(run: Run, variant: Variant, batches: list[torch.Tensor], args: argpa
         synchronize(device)
         step(batches[i % len(batches)], phases)
     timeline = profile_kernels(lambda: step(batches[0])) if args.profile else {}
-    if isinstance(run.optimizer, ShardedOptimizer):
-        run.optimizer.wait_for_parameters()
     params = [p for p in run.optimizer.param_groups[0]["params"]]
     checksum = torch.stack([p.detach().double().sum() for p in params]).sum().item()
     return {
@@ -341,8 +333,7 @@ def zero1_memory_notes(summary: list[dict], nproc: int) -> str:
     """Peak-memory saving of each ZeRO variant against its DDP counterpart, and the issue's target."""
     by_name = {r["variant"]: r for r in summary if r["attention"] == summary[0]["attention"]}
     lines = []
-    for zero, ddp in (("zero1", "bucketed_25"), ("zero1_broadcast", "bucketed_25"), ("zero1_nooverlap", "bucketed_25"),
-                      ("torch_zero", "torch_ddp")):
+    for zero, ddp in (("zero1", "bucketed_25"), ("zero1_broadcast", "bucketed_25"), ("torch_zero", "torch_ddp")):
         if zero in by_name and ddp in by_name:
             full_state = by_name[ddp]["opt_state_GB"]
             saved = by_name[ddp]["peak_mem_GB"] - by_name[zero]["peak_mem_GB"]

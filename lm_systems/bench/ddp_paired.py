@@ -5,8 +5,8 @@ differences of a few percent between variants measured tens of seconds apart (``
 variant at a time). Here both variants of a pair live on the GPUs at once and their steps alternate
 (A B, B A, A B, ...) in turns of ``--steps-per-turn`` back-to-back steps; every turn starts on all
 ranks together (a barrier) and is timed to completion on the slowest rank, per step. Within a turn a
-step's tail overlaps the next step's start, as in training: zero1's parameter exchange, which runs on
-into the next forward, is hidden for all but a turn's last step. The pair's ratio is the median over
+step's tail may overlap the next step's start, as in training, where nothing synchronises the host
+with the GPU between steps. The pair's ratio is the median over
 iterations of B's time per step over the adjacent A's, so drift slower than two turns cancels. ``single`` steps run on rank 0 alone: a pair
 ``single:X`` gives X's scaling efficiency (single / X, per-rank throughput against one GPU).
 

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
 from lm_systems.parallel.collectives import require_process_group
-from lm_systems.parallel.parameter_exchange import Exchange, ParameterExchange
 
-# With the exchange overlapping the forward pass, parameters travel in batches of about this many bytes:
-# the forward waits for a batch as a whole, so the first one should arrive soon.
-OVERLAP_BATCH_BYTES = 64 * 2**20
+Exchange = Literal["p2p", "broadcast"]
+
+# Parameters per batched send/recv launch: bounds the size of one NCCL group call.
+_P2P_PARAMS_PER_BATCH = 128
 
 
 class ShardedOptimizer(Optimizer):
@@ -28,7 +26,6 @@ class ShardedOptimizer(Optimizer):
     every other rank, by batched point-to-point sends (``exchange="p2p"``: each rank sends its shard to
     each peer, all links busy at once, no copies) or by one broadcast per parameter from its owner
     (``exchange="broadcast"``). Gradients must already be averaged over ranks (any data-parallel container).
-    ``overlap_exchange_with_forward(module)`` lets that exchange run on into the next forward pass.
 
     ``param_groups`` are the full groups (learning-rate schedulers, clipping and ``zero_grad`` see every
     parameter); their hyperparameters are copied into the local optimizer before each step.
@@ -55,17 +52,12 @@ class ShardedOptimizer(Optimizer):
         self._load = [0] * self.world_size  # elements owned per rank
         self._local: Optimizer | None = None
         self._consolidated: dict[str, Any] | None = None
-        self._plan: ParameterExchange | None = None  # built at the first step, rebuilt when groups change
-        self._overlap_module: nn.Module | None = None
-        self._overlap_hooks: list[RemovableHandle] = []
         super().__init__(params, defaults=kwargs)
 
     # -- sharding ----------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (also after construction); its parameters are shared out among the ranks."""
-        self.wait_for_parameters()
-        self._plan = None
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for param in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
@@ -105,85 +97,37 @@ class ShardedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.wait_for_parameters()  # a parameter the closure's forward did not use may still be in flight
         for group, local_group in zip(self.param_groups, self._local.param_groups):
             local_group.update({k: v for k, v in group.items() if k != "params"})
         self._local.step()
-        if self._plan is None:
-            self._plan = self._exchange_plan()
-        self._plan.start()
-        if self._overlap_module is None:
-            self._plan.wait_all()
+        self._exchange_parameters()
         self._consolidated = None
         return loss
 
-    def _exchange_plan(self) -> ParameterExchange:
+    def _exchange_parameters(self) -> None:
+        if self.world_size == 1:
+            return
         params = self._all_params()
-        if self._overlap_module is None:
-            return ParameterExchange(params, self.owner, self._exchange)
-        # The module's order (for most models the order the forward uses them), then any others.
-        ours = {id(p) for p in params}
-        ordered = list(dict.fromkeys(p for p in self._overlap_module.parameters() if id(p) in ours))
-        seen = {id(p) for p in ordered}
-        ordered += [p for p in params if id(p) not in seen]
-        return ParameterExchange(ordered, self.owner, self._exchange, batch_bytes=OVERLAP_BATCH_BYTES)
-
-    # -- overlapping the exchange with the next forward --------------------------------------
-
-    def overlap_exchange_with_forward(self, module: nn.Module) -> None:
-        """Let each step return with its parameter exchange still in flight, finished by ``module``'s forward.
-
-        Every submodule holding parameters of this optimizer gets a forward pre-hook that waits for the
-        transfers of just those parameters (on NCCL the compute stream waits; the host does not), so
-        the exchange runs under the next forward pass instead of before it. ``module.state_dict()``,
-        ``module.load_state_dict()``, ``step``, ``consolidate_state_dict`` and ``add_param_group``
-        wait for all of it; other code that reads parameters outside a forward must call
-        ``wait_for_parameters()`` first. A parent module that uses a child's parameter before the
-        child's forward runs needs that call too. Not for modules compiled with torch.compile, whose
-        graphs would contain the hooks. ``end_overlap()`` undoes it.
-        """
-        self.end_overlap()
-        ours = {id(p) for p in self._all_params()}
-        for submodule in module.modules():
-            params = [p for p in submodule.parameters(recurse=False) if id(p) in ours]
-            if params:
-                self._overlap_hooks.append(submodule.register_forward_pre_hook(self._waiting_hook(params)))
-        self._overlap_hooks.append(module.register_state_dict_pre_hook(lambda *_: self.wait_for_parameters()))
-        self._overlap_hooks.append(module.register_load_state_dict_pre_hook(lambda *_: self.wait_for_parameters()))
-        self._overlap_module = module
-        self._plan = None
-
-    def _waiting_hook(self, params: list[torch.Tensor]):
-        def wait_for_own_parameters(module: nn.Module, args: Any) -> None:
-            if self._plan is not None:
-                self._plan.wait_for(params)
-
-        return wait_for_own_parameters
-
-    def end_overlap(self) -> None:
-        """Wait for any exchange in flight, remove the hooks, and finish the exchange inside ``step`` again."""
-        self.wait_for_parameters()
-        for hook in self._overlap_hooks:
-            hook.remove()
-        self._overlap_hooks = []
-        self._overlap_module = None
-        self._plan = None
-
-    @property
-    def exchange_in_flight(self) -> bool:
-        """Whether updated parameters are still travelling (only ever, between steps, with the overlap)."""
-        return self._plan is not None and self._plan.in_flight
-
-    def wait_for_parameters(self) -> None:
-        """Until every updated parameter has arrived (a no-op unless the exchange overlaps the forward)."""
-        if self._plan is not None:
-            self._plan.wait_all()
+        if self._exchange == "broadcast":
+            works = [dist.broadcast(p.detach(), src=self.owner(p), async_op=True) for p in params]
+        else:
+            works = []
+            for start in range(0, len(params), _P2P_PARAMS_PER_BATCH):
+                ops = []
+                for p in params[start : start + _P2P_PARAMS_PER_BATCH]:
+                    owner = self.owner(p)
+                    if owner == self.rank:
+                        ops += [dist.P2POp(dist.isend, p.detach(), peer) for peer in range(self.world_size) if peer != owner]
+                    else:
+                        ops.append(dist.P2POp(dist.irecv, p.detach(), owner))
+                works += dist.batch_isend_irecv(ops)
+        for work in works:
+            work.wait()
 
     # -- checkpoints -------------------------------------------------------------------------
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collective: gather the full state on rank ``to``, as ``optimizer_cls`` would hold it unsharded."""
-        self.wait_for_parameters()
         index = {id(p): i for i, p in enumerate(self._all_params())}
         local = self._local.state_dict()
         local_params = [p for group in self._local.param_groups for p in group["params"]]
@@ -211,7 +155,6 @@ class ShardedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (consolidated or unsharded ``optimizer_cls``) state dict; this rank keeps its shard."""
-        self.wait_for_parameters()
         groups = state_dict["param_groups"]
         sizes = [len(g["params"]) for g in self.param_groups]
         if [len(g["params"]) for g in groups] != sizes:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm_systems.parallel import DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer, sharded_optimizer
+from lm_systems.parallel import DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer
 from lm_systems.parallel.collectives import GradientAverager
 
 VOCAB, DIM, BATCH, STEPS, MICRO_BATCHES = 37, 13, 3, 3, 2
@@ -121,17 +121,14 @@ CONTAINERS = {
 TOLERANCE = {"bucketed_bf16_comm": 2e-3}
 
 
-def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None,
-               overlap_exchange: bool = False):
+def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None):
     """Train a fresh, rank-seeded ToyNet; returns (what the tests check, the container, its optimizer)."""
     torch.manual_seed(100 + rank)  # every rank starts from different weights: the container must broadcast
     before = ToyNet()
     model = CONTAINERS[container](copy.deepcopy(before))
     initial = copy.deepcopy(model.module)  # rank 0's weights, after the broadcast
     optimizer = make_optimizer(model.module, sharded)
-    if overlap_exchange:
-        optimizer.overlap_exchange_with_forward(model.module)
-    report = {"no_sync_all_reduces": 0, "all_reduces_during_backward": [], "in_flight_after_step": []}
+    report = {"no_sync_all_reduces": 0, "all_reduces_during_backward": []}
     for batch in global_batches(world_size, MICRO_BATCHES):
         optimizer.zero_grad(set_to_none=set_to_none)
         with AllReduceCounter() as counter, model.no_sync():
@@ -144,10 +141,9 @@ def train_with(container: str, rank: int, world_size: int, set_to_none: bool = T
         report["rank0_only_grad_is_none"] = model.module.rank0_only.weight.grad is None
         report["never_used_grad_is_none"] = model.module.never_used.weight.grad is None
         optimizer.step()
-        report["in_flight_after_step"].append(getattr(optimizer, "exchange_in_flight", False))
     report["before"] = before.state_dict()
     report["initial"] = initial.state_dict()
-    report["final"] = {k: v.clone() for k, v in model.module.state_dict().items()}
+    report["final"] = model.module.state_dict()
     if rank == 0:
         reference, reference_optimizer = reference_training(initial, world_size, MICRO_BATCHES)
         report["reference"] = reference.state_dict()
@@ -174,44 +170,25 @@ def run_containers(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def run_sharded(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """ShardedOptimizer over DDPBucketed with both exchanges, each also overlapped with the forward (one
-    parameter per batch, so that waits are per module), its consolidated state, and loading a
+    """ShardedOptimizer over DDPBucketed with both exchanges, its consolidated state, and loading a
     single-process AdamW state into the sharded optimizer (world size 1 → 2)."""
     torch.set_num_threads(1)
     init_group(rank, world_size, port)
-    sharded_optimizer.OVERLAP_BATCH_BYTES = 1
     try:
         runs = {}
-        for exchange, overlap in (("p2p", False), ("broadcast", False), ("p2p", True), ("broadcast", True)):
-            tag = exchange + ("_overlap" if overlap else "")
-            report, model, optimizer = train_with("bucketed", rank, world_size, sharded=exchange,
-                                                  overlap_exchange=overlap)
-            report["in_flight_after_state_dict"] = optimizer.exchange_in_flight
+        for exchange in ("p2p", "broadcast"):
+            report, model, optimizer = train_with("bucketed", rank, world_size, sharded=exchange)
             named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
             report["owned"] = [n for n, p in named if optimizer.owner(p) == rank]
             report["state_keys"] = [n for n, p in named if p in optimizer.local_optimizer.state]
             optimizer.consolidate_state_dict(to=0)
             if rank == 0:
                 report["consolidated"] = optimizer.state_dict()
-            if overlap:
-                report["in_flight_probe"] = probe_overlap(model.module, optimizer)
-            runs[tag] = report
+            runs[exchange] = report
         runs["resumed_from_single_process"] = resume_from_single_process(rank, world_size, runs["p2p"])
         torch.save(runs, Path(out_dir) / f"sharded_rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def probe_overlap(model: ToyNet, optimizer: ShardedOptimizer) -> list[bool]:
-    """Whether the exchange is in flight after a step, after a forward through the embedding alone (the other
-    parameters' batches still travel), and after ``state_dict()`` (which waits for everything)."""
-    optimizer.step()
-    in_flight = [optimizer.exchange_in_flight]
-    model.embed(torch.zeros(1, 2, dtype=torch.long))
-    in_flight.append(optimizer.exchange_in_flight)
-    model.state_dict()
-    in_flight.append(optimizer.exchange_in_flight)
-    return in_flight
 
 
 def resume_from_single_process(rank: int, world_size: int, report: dict) -> dict:

@@ -21,11 +21,11 @@ def test_comm_bench_reports_bus_bandwidth(tmp_path):
 def test_ddp_bench_compares_variants_and_keeps_replicas_equal(tmp_path):
     ddp.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device",
               "cpu", "--nproc", "2", "--steps", "1", "--warmup", "1", "--instrumented-steps", "1", "--rounds", "1",
-              "--variants", "single,torch_ddp,bucketed_1,zero1,zero1_nooverlap,bucketed_1+hp+bf16",
+              "--variants", "single,torch_ddp,bucketed_1,zero1,bucketed_1+hp+bf16",
               "--out-dir", str(tmp_path)])
     with open(tmp_path / "ddp_tiny_2cpu.csv") as f:
         summary = {row["variant"]: row for row in csv.DictReader(f)}
-    assert list(summary) == ["single", "torch_ddp", "bucketed_1", "zero1", "zero1_nooverlap", "bucketed_1+hp+bf16"]
+    assert list(summary) == ["single", "torch_ddp", "bucketed_1", "zero1", "bucketed_1+hp+bf16"]
     assert all(row["replicas_equal"] == "True" for row in summary.values())
     assert float(summary["torch_ddp"]["vs_torch_ddp"]) == 1.0
     # ZeRO-1 keeps half of AdamW's state per rank on two ranks.

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import strategies  # noqa: F401  (registers the strategy names in worker processes too)
 from lm_systems.parallel import ShardedOptimizer
 from lm_systems.parallel.collectives import GradientAverager
-from strategies import BucketedDDPStrategy, Zero1Strategy
+from strategies import BucketedDDPStrategy
 
 VOCAB, DIM, SEQ = 23, 11, 6
 MICRO_BATCH, ACCUMULATE, WORLD = 3, 2, 2
@@ -99,7 +99,6 @@ class Recorder(Callback):
         self.out_dir, self.tag = out_dir, tag
         self.calls = 0
         self.per_batch: list[tuple[int, int]] = []
-        self.exchange_in_flight: list[bool] = []  # zero1, after each optimizer step
         self._originals: dict = {}
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -120,9 +119,6 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.per_batch.append((batch_idx, self.calls - self._calls_at_start))
-        optimizer = trainer.optimizers[0]
-        if isinstance(optimizer, ShardedOptimizer) and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.exchange_in_flight.append(optimizer.exchange_in_flight)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         """Runs after the strategy's teardown, so it also sees whether hooks were left behind."""
@@ -134,27 +130,22 @@ class Recorder(Callback):
             "val_loss": trainer.callback_metrics["val_loss"].item(),
             "wrapper": self.wrapper,
             "unwrapped": trainer.strategy.model is pl_module,
-            "hooks_left": sum(bool(p._post_accumulate_grad_hooks) for p in pl_module.parameters())
-            + sum(len(m._forward_pre_hooks) for m in pl_module.modules()),
+            "hooks_left": sum(bool(p._post_accumulate_grad_hooks) for p in pl_module.parameters()),
         }
         optimizer = trainer.optimizers[0]
         if isinstance(optimizer, ShardedOptimizer):
             named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
             record["owned"] = [n for n, p in named if optimizer.owner(p) == trainer.global_rank]
             record["state_keys"] = [n for n, p in named if p in optimizer.local_optimizer.state]
-            record["exchange_in_flight"] = self.exchange_in_flight
         torch.save(record, Path(self.out_dir) / f"{self.tag}_rank{trainer.global_rank}.pt")
         for (owner, name), original in self._originals.items():
             setattr(owner, name, original)
 
 
 def make_strategy(name: str):
-    """A registered name, ``bucketed_ddp+bf16`` (bucketed_ddp sending its gradients in bf16) or
-    ``zero1+no_overlap`` (zero1 finishing its parameter exchange inside the optimizer step)."""
+    """A registered name, or ``bucketed_ddp+bf16``: bucketed_ddp sending its gradients in bf16."""
     if name == "bucketed_ddp+bf16":
         return BucketedDDPStrategy(grad_comm_dtype="bf16")
-    if name == "zero1+no_overlap":
-        return Zero1Strategy(overlap_exchange=False)
     return name
 
 
@@ -195,7 +186,7 @@ def run_cpu_strategies(rank: int, world_size: int, port: int, out_dir: str, name
                                              save_on_train_epoch_end=True)
                 trainer = make_trainer(name, world_size, out_dir, name, callbacks=[checkpoint])
             else:
-                trainer = make_trainer(make_strategy(name), world_size, out_dir, name, enable_checkpointing=False)
+                trainer = make_trainer(name, world_size, out_dir, name, enable_checkpointing=False)
             trainer.fit(TinyLM(), datamodule=TinyData())
         if "zero1" in names:
             trainer = make_trainer("zero1", world_size, out_dir, "zero1_resumed", enable_checkpointing=False)

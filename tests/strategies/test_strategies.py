@@ -18,10 +18,9 @@ import strategies  # noqa: F401  (registers the strategy names)
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer,
                               run_cpu_strategies, zero1_epoch0_checkpoint)
 
-# zero1 overlaps its parameter exchange with the next forward; zero1+no_overlap finishes it in the step.
-STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "zero1+no_overlap"]
+STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1"]
 WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "DDPIndividualParameters", "bucketed_ddp": "DDPBucketed",
-            "zero1": "DDPBucketed", "zero1+no_overlap": "DDPBucketed"}
+            "zero1": "DDPBucketed"}
 
 
 def load_ranks(out, tag: str) -> list[dict]:
@@ -101,12 +100,6 @@ def test_zero1_ranks_hold_state_only_for_their_shard(runs):
         assert set(runs["zero1"][rank]["state_keys"]) == owned[rank]
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero1+no_overlap"])
-def test_zero1_exchange_runs_into_the_next_forward_only_with_the_overlap(runs, name):
-    for rank in range(2):
-        assert runs[name][rank]["exchange_in_flight"] == [name == "zero1"] * (STEPS_PER_EPOCH * EPOCHS)
-
-
 def test_zero1_resumes_from_its_consolidated_checkpoint(runs, out_dir):
     """Stopped after epoch 0 and resumed from its checkpoint: the uninterrupted run's trajectory."""
     saved = torch.load(zero1_epoch0_checkpoint(out_dir), weights_only=False)
@@ -143,13 +136,3 @@ def test_bad_comm_max_ctas_names_the_option():
 def test_bad_exchange_names_the_option():
     with pytest.raises(ValueError, match="init_args.exchange"):
         strategies.Zero1Strategy(exchange="allgather")
-
-
-def test_zero1_sees_a_model_compiled_in_place():
-    """A compiled model keeps the exchange inside the step: the waiting hooks would sit in its graph."""
-    from strategies.zero1 import _compiled
-
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
-    assert not _compiled(model)
-    model[1].compile()
-    assert _compiled(model)
