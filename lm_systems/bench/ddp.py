@@ -18,7 +18,8 @@ A variant may carry options after ``+`` (any DDP variant, ours or torch's, so bo
 all-reduces at k thread blocks, ``+normal`` uses such a group at normal priority, ``+bf16`` sends
 gradients in bf16 (torch DDP through its ``bf16_compress_hook``), ``+carve<k>`` runs backward's
 matmuls through cuBLASLt told to leave k SMs free (torch's experimental SM carve-out) for the
-all-reduces. E.g. ``bucketed_25+hp``, ``torch_ddp+hp+bf16``, ``bucketed_25+carve16``.
+all-reduces; ``+thread`` (ours only) launches the all-reduces from a thread of their own instead of
+autograd's (``launch_thread``). E.g. ``bucketed_25+hp``, ``torch_ddp+hp+bf16``, ``bucketed_25+thread``.
 
 Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
 instrumented steps (forward, backward, gradient sync left after backward, optimizer), with
@@ -85,6 +86,7 @@ class Variant:
     max_ctas: int | None = None
     bf16_comm: bool = False
     sm_carveout: int | None = None
+    launch_thread: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -102,11 +104,16 @@ class Variant:
                 fields["bf16_comm"] = True
             elif option.startswith("carve") and option[5:].isdigit():
                 fields["sm_carveout"] = int(option[5:])
+            elif option == "thread":
+                fields["launch_thread"] = True
             else:
                 raise ValueError(f"unknown option {option!r} in variant {name!r} "
-                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>)")
+                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread)")
         if options and base == "single":
             raise ValueError("the single-GPU baseline takes no communication options")
+        if fields.get("launch_thread") and not (base == "overlap" or base.startswith(("bucketed_", "zero1"))):
+            raise ValueError(f"+thread needs a container that launches during backward (overlap, bucketed_<MB>, "
+                             f"zero1), not {base!r}")
         return cls(base, **fields)
 
     @property
@@ -141,18 +148,19 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
         if base == "torch_zero":
             return Run(wrapped, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw))
         return Run(wrapped, torch.optim.AdamW(model.parameters(), **adamw))
+    launching = dict(launch_thread=variant.launch_thread)
     if base in ("zero1", "zero1_broadcast"):
-        container = DDPBucketed(model, bucket_size_mb=25, **comm)
+        container = DDPBucketed(model, bucket_size_mb=25, **comm, **launching)
         exchange = "broadcast" if base.endswith("broadcast") else "p2p"
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, exchange=exchange, **adamw)
         return Run(container, optimizer, container.finish_gradient_synchronization, [container.remove_hooks])
     containers: dict[str, Callable[[], DataParallelModule]] = {
         "naive": lambda: NaiveDDP(model, **comm),
         "naive_flat": lambda: NaiveDDP(model, flat=True, **comm),
-        "overlap": lambda: DDPIndividualParameters(model, **comm),
+        "overlap": lambda: DDPIndividualParameters(model, **comm, **launching),
     }
     if base.startswith("bucketed_"):
-        container = DDPBucketed(model, bucket_size_mb=float(base.split("_", 1)[1]), **comm)
+        container = DDPBucketed(model, bucket_size_mb=float(base.split("_", 1)[1]), **comm, **launching)
     else:
         container = containers[base]()
     return Run(container, torch.optim.AdamW(model.parameters(), **adamw), container.finish_gradient_synchronization,

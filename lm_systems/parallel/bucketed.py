@@ -49,9 +49,10 @@ class DDPBucketed(OverlappedDDP):
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None) -> None:
+                 grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
-        super().__init__(module, assign_buckets(list(reversed(params)), bucket_size_mb), process_group, grad_comm_dtype)
+        super().__init__(module, assign_buckets(list(reversed(params)), bucket_size_mb), process_group, grad_comm_dtype,
+                         launch_thread)
         self.bucket_size_mb = bucket_size_mb
         self._arenas, self._flat_buffers = _carve_buckets(self._units)
         self._grad_views = [[chunk.view_as(p) for chunk, p in zip(buffer.split([p.numel() for p in bucket]), bucket)]

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.collectives import GradPresence, PendingAverage
+from lm_systems.parallel.launch_thread import LaunchThread
 
 
 class OverlappedDDP(DataParallelModule):
@@ -21,12 +22,17 @@ class OverlappedDDP(DataParallelModule):
     the same sequence of collectives even when gradients arrive in different orders or a parameter is
     unused on one rank; a unit that is ready early waits for the ones before it. Units never launched
     during backward (unused parameters, ``no_sync``) are launched by ``finish_gradient_synchronization``.
+    With ``launch_thread`` the launches run on a ``LaunchThread`` instead of in the hooks on autograd's
+    thread, which then only queue them.
     """
 
     def __init__(self, module: nn.Module, units: list[list[nn.Parameter]],
-                 process_group: dist.ProcessGroup | None = None, grad_comm_dtype: torch.dtype | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, grad_comm_dtype: torch.dtype | None = None,
+                 launch_thread: bool = False) -> None:
         super().__init__(module, process_group, grad_comm_dtype)
         self._units = units
+        device = units[0][0].device if units else torch.device("cpu")
+        self._launcher = LaunchThread(device) if launch_thread else None
         self._params = [p for unit in units for p in unit]
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._presence = GradPresence(self._params, process_group)
@@ -72,7 +78,7 @@ class OverlappedDDP(DataParallelModule):
         self._place_gradient(unit, index, param)
         if not self.require_backward_grad_sync:
             return
-        if self._works[unit] is not None or self._arrived[flat_index]:
+        if unit < self._next_unit or self._arrived[flat_index]:
             raise RuntimeError(
                 f"the gradient of {self._names.get(id(param), 'a parameter')!r} arrived after its all-reduce "
                 "was launched: call finish_gradient_synchronization() after every backward, and run "
@@ -85,11 +91,19 @@ class OverlappedDDP(DataParallelModule):
 
     def _launch_ready_units(self) -> None:
         while self._next_unit < len(self._units) and self._waiting[self._next_unit] == 0:
-            self._works[self._next_unit] = self._launch(self._next_unit)
+            if self._launcher is None:
+                self._launch_into_works(self._next_unit)
+            else:
+                self._launcher.submit(partial(self._launch_into_works, self._next_unit))
             self._next_unit += 1
+
+    def _launch_into_works(self, unit: int) -> None:
+        self._works[unit] = self._launch(unit)
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
+        if self._launcher is not None:
+            self._launcher.drain()
         local = self._local_presence()
         for unit in range(self._next_unit, len(self._units)):
             self._prepare_late(unit)
@@ -107,6 +121,11 @@ class OverlappedDDP(DataParallelModule):
                     param.grad = self._averaged(u, i)
         self._reset()
 
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        if self._launcher is not None:
+            self._launcher.close()
+
     def _reset(self) -> None:
         self._works = [None] * len(self._units)
         self._waiting = [len(unit) for unit in self._units]
@@ -119,10 +138,10 @@ class DDPIndividualParameters(OverlappedDDP):
     """Launches an async all-reduce of each gradient, in place in ``.grad``, as soon as it is accumulated."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None) -> None:
+                 grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
         # Reverse registration order: roughly the order backward produces gradients in.
-        super().__init__(module, [[p] for p in reversed(params)], process_group, grad_comm_dtype)
+        super().__init__(module, [[p] for p in reversed(params)], process_group, grad_comm_dtype, launch_thread)
         self._zeros: dict[int, torch.Tensor] = {}
 
     def _launch(self, unit: int) -> PendingAverage:

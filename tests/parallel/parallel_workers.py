@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -86,10 +87,12 @@ def reference_training(initial: nn.Module, world_size: int, micro_batches: int):
 
 
 class AllReduceCounter:
-    """Counts all-reduces: gradient averages (GradientAverager.start) and any dist.all_reduce call."""
+    """Counts all-reduces (gradient averages: GradientAverager.start, and any dist.all_reduce call) and
+    names the threads that issued them."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.threads: set[str] = set()
         self._originals = [(dist, "all_reduce", dist.all_reduce), (GradientAverager, "start", GradientAverager.start)]
 
     def __enter__(self) -> "AllReduceCounter":
@@ -100,6 +103,7 @@ class AllReduceCounter:
     def _counting(self, original):
         def counting(*args, **kwargs):
             self.calls += 1
+            self.threads.add(threading.current_thread().name)
             return original(*args, **kwargs)
 
         return counting
@@ -116,6 +120,8 @@ CONTAINERS = {
     "bucketed": lambda m: DDPBucketed(m, bucket_size_mb=0.002),  # ~2 KB: several buckets
     "bucketed_one_bucket": lambda m: DDPBucketed(m, bucket_size_mb=100),
     "bucketed_bf16_comm": lambda m: DDPBucketed(m, bucket_size_mb=0.002, grad_comm_dtype=torch.bfloat16),
+    "individual_launch_thread": lambda m: DDPIndividualParameters(m, launch_thread=True),
+    "bucketed_launch_thread": lambda m: DDPBucketed(m, bucket_size_mb=0.002, launch_thread=True),
 }
 # Gradients averaged in bf16 match the fp32 reference only to bf16's precision.
 TOLERANCE = {"bucketed_bf16_comm": 2e-3}
@@ -136,8 +142,9 @@ def train_with(container: str, rank: int, world_size: int, set_to_none: bool = T
         report["no_sync_all_reduces"] += counter.calls
         with AllReduceCounter() as counter:
             (shard_loss(model, batch[rank, 1], rank) / MICRO_BATCHES).backward()
-        report["all_reduces_during_backward"].append(counter.calls)
-        model.finish_gradient_synchronization()
+            report["all_reduces_during_backward"].append(counter.calls)
+            model.finish_gradient_synchronization()
+        report["launching_threads"] = sorted(counter.threads)
         report["rank0_only_grad_is_none"] = model.module.rank0_only.weight.grad is None
         report["never_used_grad_is_none"] = model.module.never_used.weight.grad is None
         optimizer.step()

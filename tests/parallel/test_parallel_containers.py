@@ -62,6 +62,15 @@ def test_overlapping_containers_communicate_during_backward(runs, name):
     assert min(runs[0][name]["all_reduces_during_backward"]) > 0
 
 
+@pytest.mark.parametrize("name", ["individual_launch_thread", "bucketed_launch_thread"])
+def test_launch_thread_takes_the_all_reduces_off_the_backward_thread(runs, name):
+    # Rank 0 (which uses every parameter but never_used) averages on the launch thread during backward;
+    # the presence flags' all-reduce and never_used's late launch come from finish on the main thread.
+    # (Rank 1 never uses rank0_only, so its units from there on all launch late, from the main thread.)
+    assert runs[0][name]["launching_threads"] == ["MainThread", "lm_systems-launch"]
+    assert runs[0]["bucketed"]["launching_threads"] == ["MainThread"]
+
+
 @pytest.mark.parametrize("name", ["naive", "naive_flat"])
 def test_naive_containers_communicate_only_after_backward(runs, name):
     assert max(runs[0][name]["all_reduces_during_backward"]) == 0

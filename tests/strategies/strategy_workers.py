@@ -4,6 +4,7 @@ Lightning's spawn launcher can pickle them into its worker processes."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -113,6 +114,7 @@ class Recorder(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.wrapper = type(trainer.strategy.model).__name__
+        self.launch_thread = getattr(trainer.strategy.model, "_launcher", None) is not None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._calls_at_start = self.calls
@@ -129,8 +131,10 @@ class Recorder(Callback):
             "collectives_per_batch": self.per_batch,
             "val_loss": trainer.callback_metrics["val_loss"].item(),
             "wrapper": self.wrapper,
+            "launch_thread": self.launch_thread,
             "unwrapped": trainer.strategy.model is pl_module,
             "hooks_left": sum(bool(p._post_accumulate_grad_hooks) for p in pl_module.parameters()),
+            "launch_threads_alive": sum(t.name == "lm_systems-launch" for t in threading.enumerate()),
         }
         optimizer = trainer.optimizers[0]
         if isinstance(optimizer, ShardedOptimizer):
@@ -143,9 +147,12 @@ class Recorder(Callback):
 
 
 def make_strategy(name: str):
-    """A registered name, or ``bucketed_ddp+bf16``: bucketed_ddp sending its gradients in bf16."""
+    """A registered name, ``bucketed_ddp+bf16`` (bucketed_ddp sending its gradients in bf16) or
+    ``bucketed_ddp+no_thread`` (launching its all-reduces from the gradient hooks themselves)."""
     if name == "bucketed_ddp+bf16":
         return BucketedDDPStrategy(grad_comm_dtype="bf16")
+    if name == "bucketed_ddp+no_thread":
+        return BucketedDDPStrategy(launch_thread=False)
     return name
 
 
@@ -186,7 +193,7 @@ def run_cpu_strategies(rank: int, world_size: int, port: int, out_dir: str, name
                                              save_on_train_epoch_end=True)
                 trainer = make_trainer(name, world_size, out_dir, name, callbacks=[checkpoint])
             else:
-                trainer = make_trainer(name, world_size, out_dir, name, enable_checkpointing=False)
+                trainer = make_trainer(make_strategy(name), world_size, out_dir, name, enable_checkpointing=False)
             trainer.fit(TinyLM(), datamodule=TinyData())
         if "zero1" in names:
             trainer = make_trainer("zero1", world_size, out_dir, "zero1_resumed", enable_checkpointing=False)

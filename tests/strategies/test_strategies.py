@@ -18,9 +18,9 @@ import strategies  # noqa: F401  (registers the strategy names)
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer,
                               run_cpu_strategies, zero1_epoch0_checkpoint)
 
-STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1"]
+STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "bucketed_ddp+no_thread"]
 WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "DDPIndividualParameters", "bucketed_ddp": "DDPBucketed",
-            "zero1": "DDPBucketed"}
+            "zero1": "DDPBucketed", "bucketed_ddp+no_thread": "DDPBucketed"}
 
 
 def load_ranks(out, tag: str) -> list[dict]:
@@ -91,6 +91,13 @@ def test_teardown_removes_hooks_and_unwraps(runs, name):
     for rank in range(2):
         assert runs[name][rank]["unwrapped"]
         assert runs[name][rank]["hooks_left"] == 0
+        assert runs[name][rank]["launch_threads_alive"] == 0
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_backward_launching_strategies_use_a_launch_thread_unless_told_not_to(runs, name):
+    for rank in range(2):
+        assert runs[name][rank]["launch_thread"] == (name not in ("naive_ddp", "bucketed_ddp+no_thread"))
 
 
 def test_zero1_ranks_hold_state_only_for_their_shard(runs):
