@@ -471,9 +471,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return spawn_ranks(_worker, args, args.nproc, lambda rows: write_tables(rows, args))
 
 
+def run_label(args: argparse.Namespace) -> str:
+    """``<size>_<nproc><gpu|cpu>``: the part of a results file name that says what ran where."""
+    return f"{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
+
+
 def write_tables(rows: list[dict], args: argparse.Namespace) -> None:
     """The summary (+ per-round rows and plot) of the variant table, and the attention matrix."""
-    stem = f"ddp_{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
+    stem = f"ddp_{run_label(args)}"
     setup = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
              f"{'fused ' if args.device == 'cuda' else ''}AdamW, {args.nproc} processes")
     method = ("Plain PyTorch loop, processes started by torch.multiprocessing.spawn (no torchrun, no Trainer); "

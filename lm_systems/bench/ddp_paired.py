@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import Variant, add_setup_args, build, check_setup_args, make_step
+from lm_systems.bench.ddp import Variant, add_setup_args, build, check_setup_args, make_step, run_label
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
 from lm_systems.config import ModelConfig
@@ -135,12 +135,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _write(rows: list[dict], args: argparse.Namespace) -> None:
-    stem = f"ddp_paired_{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
+    stem = f"ddp_paired_{run_label(args)}"
     notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
              f"{args.attention} attention. "
              f"Both variants of a pair resident at once, turns of {args.steps_per_turn} back-to-back step(s) "
              f"alternating A B / B A over {args.iterations} timed iterations after {args.warmup} warm-up ones; "
-             "each turn starts on all ranks together and counts on the slowest, per step. B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
+             "each turn starts on all ranks together and counts on the slowest, per step. "
+             "B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
              "for single:X pairs, 1 / B_over_A is X's scaling efficiency.")
     write_results(stem, rows, title="Data-parallel variants, paired A/B step times", notes=notes, out_dir=args.out_dir)
 
