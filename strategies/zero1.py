@@ -21,17 +21,23 @@ class Zero1Strategy(BucketedDDPStrategy):
     the user's optimizer keep driving the groups that are stepped. Checkpoints hold one consolidated
     optimizer state (Lightning calls ``consolidate_state_dict`` on every rank, then saves rank 0's), in
     the plain optimizer's format: they resume under zero1 on any number of devices, or under any other
-    strategy.
+    strategy. ``exchange`` and ``exchange_stages`` are the ShardedOptimizer's: how updated parameters
+    reach the other ranks, and in how many stages that exchange is pipelined with the step.
     """
 
     strategy_name = "zero1"
     strategy_description = "ZeRO-1: DDPBucketed gradients, ShardedOptimizer state"
 
-    def __init__(self, bucket_size_mb: float = 25.0, exchange: Exchange = "p2p", **kwargs: Any) -> None:
+    def __init__(self, bucket_size_mb: float = 25.0, exchange: Exchange = "p2p", exchange_stages: int = 4,
+                 **kwargs: Any) -> None:
         if exchange not in ("p2p", "broadcast"):
             raise ValueError(f"exchange must be 'p2p' or 'broadcast', got {exchange!r} (strategy init_args.exchange)")
+        if exchange_stages < 1:
+            raise ValueError(f"exchange_stages must be at least 1, got {exchange_stages} "
+                             "(strategy init_args.exchange_stages)")
         super().__init__(bucket_size_mb=bucket_size_mb, **kwargs)
         self._exchange = exchange
+        self._exchange_stages = exchange_stages
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -47,7 +53,8 @@ class Zero1Strategy(BucketedDDPStrategy):
         if isinstance(optimizer, ShardedOptimizer):
             return optimizer
         wrapped = ShardedOptimizer(
-            optimizer.param_groups, type(optimizer), exchange=self._exchange, **optimizer_init_kwargs(optimizer)
+            optimizer.param_groups, type(optimizer), exchange=self._exchange, exchange_stages=self._exchange_stages,
+            **optimizer_init_kwargs(optimizer),
         )
         if any(a is not b for a, b in zip(wrapped.param_groups, optimizer.param_groups)):
             raise RuntimeError("ShardedOptimizer did not adopt the optimizer's param-group dicts; schedulers would not reach it")

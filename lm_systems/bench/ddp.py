@@ -19,7 +19,9 @@ all-reduces at k thread blocks, ``+normal`` uses such a group at normal priority
 gradients in bf16 (torch DDP through its ``bf16_compress_hook``), ``+carve<k>`` runs backward's
 matmuls through cuBLASLt told to leave k SMs free (torch's experimental SM carve-out) for the
 all-reduces; ``+thread`` (ours only) launches the all-reduces from a thread of their own instead of
-autograd's (``launch_thread``). E.g. ``bucketed_25+hp``, ``torch_ddp+hp+bf16``, ``bucketed_25+thread``.
+autograd's (``launch_thread``); ``+stages<k>`` (zero1 only) pipelines its step and parameter exchange
+in k stages (``exchange_stages``; ``+stages1``: step everything, then exchange). E.g. ``bucketed_25+hp``,
+``torch_ddp+hp+bf16``, ``bucketed_25+thread``, ``zero1+thread+stages1``.
 
 Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
 instrumented steps (forward, backward, gradient sync left after backward, optimizer), with
@@ -87,6 +89,7 @@ class Variant:
     bf16_comm: bool = False
     sm_carveout: int | None = None
     launch_thread: bool = False
+    exchange_stages: int | None = None  # zero1's; None: ShardedOptimizer's default
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -106,14 +109,18 @@ class Variant:
                 fields["sm_carveout"] = int(option[5:])
             elif option == "thread":
                 fields["launch_thread"] = True
+            elif option.startswith("stages") and option[6:].isdigit() and int(option[6:]) >= 1:
+                fields["exchange_stages"] = int(option[6:])
             else:
                 raise ValueError(f"unknown option {option!r} in variant {name!r} "
-                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread)")
+                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>)")
         if options and base == "single":
             raise ValueError("the single-GPU baseline takes no communication options")
         if fields.get("launch_thread") and not (base == "overlap" or base.startswith(("bucketed_", "zero1"))):
             raise ValueError(f"+thread needs a container that launches during backward (overlap, bucketed_<MB>, "
                              f"zero1), not {base!r}")
+        if "exchange_stages" in fields and not base.startswith("zero1"):
+            raise ValueError(f"+stages<k> sets zero1's exchange pipeline, not {base!r}'s")
         return cls(base, **fields)
 
     @property
@@ -152,7 +159,8 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
     if base in ("zero1", "zero1_broadcast"):
         container = DDPBucketed(model, bucket_size_mb=25, **comm, **launching)
         exchange = "broadcast" if base.endswith("broadcast") else "p2p"
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, exchange=exchange, **adamw)
+        stages = {} if variant.exchange_stages is None else {"exchange_stages": variant.exchange_stages}
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, exchange=exchange, **stages, **adamw)
         return Run(container, optimizer, container.finish_gradient_synchronization, [container.remove_hooks])
     containers: dict[str, Callable[[], DataParallelModule]] = {
         "naive": lambda: NaiveDDP(model, **comm),
@@ -168,8 +176,8 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    inner = {ShardedOptimizer: lambda o: o.local_optimizer, ZeroRedundancyOptimizer: lambda o: o.optim}
-    optimizer = inner.get(type(optimizer), lambda o: o)(optimizer)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # a ShardedOptimizer's state is its shard already
+        optimizer = optimizer.optim
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if isinstance(v, torch.Tensor))
 

@@ -27,10 +27,16 @@ class ShardedOptimizer(Optimizer):
     each peer, all links busy at once, no copies) or by one broadcast per parameter from its owner
     (``exchange="broadcast"``). Gradients must already be averaged over ranks (any data-parallel container).
 
+    The step and the exchange are pipelined in ``exchange_stages`` stages: every rank's shard (per
+    parameter group) is cut into that many runs of about equal size, and stage k's parameters start
+    travelling as soon as stage k is stepped, while stage k+1 is being stepped; only the last stage's
+    exchange is left after the last update. ``exchange_stages=1`` steps the whole shard, then exchanges.
+
     ``param_groups`` are the full groups (learning-rate schedulers, clipping and ``zero_grad`` see every
-    parameter); their hyperparameters are copied into the local optimizer before each step.
-    ``consolidate_state_dict(to)`` (a collective) gathers a plain ``optimizer_cls`` state dict over all
-    parameters on rank ``to``; ``load_state_dict`` takes that format on any world size.
+    parameter); their hyperparameters are copied into the local optimizers before each step; ``state``
+    holds this rank's shard of the state. ``consolidate_state_dict(to)`` (a collective) gathers a plain
+    ``optimizer_cls`` state dict over all parameters on rank ``to``; ``load_state_dict`` takes that
+    format on any world size.
     """
 
     def __init__(
@@ -38,19 +44,26 @@ class ShardedOptimizer(Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         optimizer_cls: type[Optimizer],
         exchange: Exchange = "p2p",
+        exchange_stages: int = 4,
         **kwargs: Any,
     ) -> None:
         require_process_group("ShardedOptimizer")
         if exchange not in ("p2p", "broadcast"):
             raise ValueError(f"exchange must be 'p2p' or 'broadcast', got {exchange!r}")
+        if exchange_stages < 1:
+            raise ValueError(f"exchange_stages must be at least 1, got {exchange_stages}")
         self._optimizer_cls = optimizer_cls
         self._optimizer_kwargs = kwargs
         self._exchange = exchange
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._owner: dict[int, int] = {}  # id(param) → owning rank
+        self._stage_of: dict[int, int] = {}  # id(param) → pipeline stage
         self._load = [0] * self.world_size  # elements owned per rank
-        self._local: Optimizer | None = None
+        # One optimizer_cls per stage over this rank's part of it, all sharing ``self.state``; and every
+        # rank's parameters of each stage, in param_groups order (the exchange's order on every rank).
+        self._stages: list[Optimizer] = []
+        self._stage_params: list[list[torch.Tensor]] = [[] for _ in range(exchange_stages)]
         self._consolidated: dict[str, Any] | None = None
         super().__init__(params, defaults=kwargs)
 
@@ -64,12 +77,21 @@ class ShardedOptimizer(Optimizer):
             rank = min(range(self.world_size), key=lambda r: self._load[r])
             self._owner[id(param)] = rank
             self._load[rank] += param.numel()
-        local_group = {**group, "params": self.owned(group["params"])}
-        if self._local is None:
-            self._local = self._optimizer_cls([local_group], **self._optimizer_kwargs)
-            self.state = self._local.state
-        else:
-            self._local.add_param_group(local_group)
+        for rank in range(self.world_size):
+            shard = [p for p in group["params"] if self._owner[id(p)] == rank]
+            for param, stage in zip(shard, _cut(shard, len(self._stage_params))):
+                self._stage_of[id(param)] = stage
+        for param in group["params"]:
+            self._stage_params[self._stage_of[id(param)]].append(param)
+        hyperparameters = {k: v for k, v in group.items() if k != "params"}
+        for stage in range(len(self._stage_params)):
+            local_group = {**hyperparameters, "params": self._owned_in_stage(group["params"], stage)}
+            if stage < len(self._stages):
+                self._stages[stage].add_param_group(local_group)
+            else:
+                optimizer = self._optimizer_cls([local_group], **self._optimizer_kwargs)
+                optimizer.state = self.state
+                self._stages.append(optimizer)
 
     def owner(self, param: torch.Tensor) -> int:
         """The rank that holds ``param``'s optimizer state and updates it."""
@@ -81,10 +103,8 @@ class ShardedOptimizer(Optimizer):
         """The subset of ``params`` this rank updates, in the given order."""
         return [p for p in params if self._owner[id(p)] == self.rank]
 
-    @property
-    def local_optimizer(self) -> Optimizer:
-        """The ``optimizer_cls`` instance over this rank's shard."""
-        return self._local
+    def _owned_in_stage(self, params: Iterable[torch.Tensor], stage: int) -> list[torch.Tensor]:
+        return [p for p in self.owned(params) if self._stage_of[id(p)] == stage]
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -97,41 +117,45 @@ class ShardedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group, local_group in zip(self.param_groups, self._local.param_groups):
-            local_group.update({k: v for k, v in group.items() if k != "params"})
-        self._local.step()
-        self._exchange_parameters()
+        for index, group in enumerate(self.param_groups):
+            hyperparameters = {k: v for k, v in group.items() if k != "params"}
+            for stage in self._stages:
+                stage.param_groups[index].update(hyperparameters)
+        works: list[dist.Work] = []
+        for stage, optimizer in enumerate(self._stages):
+            optimizer.step()
+            works += self._start_exchange(self._stage_params[stage])  # runs while the next stage steps
+        for work in works:
+            work.wait()
         self._consolidated = None
         return loss
 
-    def _exchange_parameters(self) -> None:
-        if self.world_size == 1:
-            return
-        params = self._all_params()
+    def _start_exchange(self, params: list[torch.Tensor]) -> list[dist.Work]:
+        """Start sending this rank's updated ``params`` to every peer and receiving the peers' ones."""
+        if self.world_size == 1 or not params:
+            return []
         if self._exchange == "broadcast":
-            works = [dist.broadcast(p.detach(), src=self.owner(p), async_op=True) for p in params]
-        else:
-            works = []
-            for start in range(0, len(params), _P2P_PARAMS_PER_BATCH):
-                ops = []
-                for p in params[start : start + _P2P_PARAMS_PER_BATCH]:
-                    owner = self.owner(p)
-                    if owner == self.rank:
-                        ops += [dist.P2POp(dist.isend, p.detach(), peer) for peer in range(self.world_size) if peer != owner]
-                    else:
-                        ops.append(dist.P2POp(dist.irecv, p.detach(), owner))
-                works += dist.batch_isend_irecv(ops)
-        for work in works:
-            work.wait()
+            return [dist.broadcast(p.detach(), src=self.owner(p), async_op=True) for p in params]
+        works = []
+        for start in range(0, len(params), _P2P_PARAMS_PER_BATCH):
+            ops = []
+            for p in params[start : start + _P2P_PARAMS_PER_BATCH]:
+                owner = self.owner(p)
+                if owner == self.rank:
+                    ops += [dist.P2POp(dist.isend, p.detach(), peer) for peer in range(self.world_size) if peer != owner]
+                else:
+                    ops.append(dist.P2POp(dist.irecv, p.detach(), owner))
+            works += dist.batch_isend_irecv(ops)
+        return works
 
     # -- checkpoints -------------------------------------------------------------------------
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collective: gather the full state on rank ``to``, as ``optimizer_cls`` would hold it unsharded."""
-        index = {id(p): i for i, p in enumerate(self._all_params())}
-        local = self._local.state_dict()
-        local_params = [p for group in self._local.param_groups for p in group["params"]]
-        shard = {index[id(local_params[i])]: _to_cpu(state) for i, state in local["state"].items()}
+        params = self._all_params()
+        shard = {i: _to_cpu(self.state[p]) for i, p in enumerate(params)
+                 if self._owner[id(p)] == self.rank and p in self.state}
+        index = {id(p): i for i, p in enumerate(params)}
         gathered: list[dict | None] | None = [None] * self.world_size if self.rank == to else None
         dist.gather_object(shard, gathered, dst=to)
         if self.rank != to:
@@ -162,25 +186,43 @@ class ShardedOptimizer(Optimizer):
                 f"optimizer state has parameter groups of sizes {[len(g['params']) for g in groups]}, "
                 f"this optimizer has {sizes}: the checkpoint belongs to a different model or optimizer setup"
             )
-        local_groups, local_state, next_local = [], {}, 0
+        stages = range(len(self._stages))
+        stage_states: list[dict[int, Any]] = [{} for _ in stages]
+        stage_groups: list[list[dict[str, Any]]] = [[] for _ in stages]
+        counts = [0 for _ in stages]  # each stage optimizer numbers its parameters 0, 1, ... over its groups
         for group, saved in zip(self.param_groups, groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            owned_indices = []
+            hyperparameters = {k: v for k, v in saved.items() if k != "params"}
+            group.update(hyperparameters)
+            indices: list[list[int]] = [[] for _ in stages]
             for p, i in zip(group["params"], saved["params"]):
                 if self._owner[id(p)] != self.rank:
                     continue
+                stage = self._stage_of[id(p)]
                 if i in state_dict["state"]:
-                    local_state[next_local] = state_dict["state"][i]
-                owned_indices.append(next_local)
-                next_local += 1
-            local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": owned_indices})
-        self._local.load_state_dict({"state": local_state, "param_groups": local_groups})
-        # Optimizer.load_state_dict replaces the state dict object; keep the one ``self.state`` (and any
-        # wrapper that copied the attribute, like Lightning's LightningOptimizer) already refers to.
+                    stage_states[stage][counts[stage]] = state_dict["state"][i]
+                indices[stage].append(counts[stage])
+                counts[stage] += 1
+            for stage in stages:
+                stage_groups[stage].append({**hyperparameters, "params": indices[stage]})
+        # Optimizer.load_state_dict replaces an optimizer's state dict object; keep the one ``self.state``
+        # (and any wrapper that copied the attribute, like Lightning's LightningOptimizer) refers to.
         self.state.clear()
-        self.state.update(self._local.state)
-        self._local.state = self.state
+        for optimizer, state, param_groups in zip(self._stages, stage_states, stage_groups):
+            optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+            self.state.update(optimizer.state)
+            optimizer.state = self.state
         self._consolidated = None
+
+
+def _cut(params: list[torch.Tensor], parts: int) -> list[int]:
+    """The part (0 … parts-1) of each parameter when ``params``, in order, are cut into ``parts`` runs of
+    about equal numbers of elements (a parameter goes where its middle element falls)."""
+    total = sum(p.numel() for p in params)
+    before, cuts = 0, []
+    for p in params:
+        cuts.append(min(parts - 1, int((before + p.numel() / 2) * parts / total)) if total else 0)
+        before += p.numel()
+    return cuts
 
 
 def _to_cpu(value: Any) -> Any:

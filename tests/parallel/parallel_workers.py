@@ -58,8 +58,9 @@ def global_batches(world_size: int, micro_batches: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (world_size, micro_batches, BATCH, 7), generator=g) for _ in range(STEPS)]
 
 
-def make_optimizer(model: nn.Module, sharded: str | None) -> torch.optim.Optimizer:
-    """AdamW over two groups; the sharded one gets its second group through add_param_group."""
+def make_optimizer(model: nn.Module, sharded: str | None, exchange_stages: int = 4) -> torch.optim.Optimizer:
+    """AdamW over two groups; the sharded one (``sharded``: its exchange) gets its second group through
+    add_param_group."""
     named = dict(model.named_parameters())
     first = [named[n] for n in ("embed.weight", "hidden.weight", "hidden.bias")]
     second = [p for n, p in named.items() if p.requires_grad and n not in ("embed.weight", "hidden.weight", "hidden.bias")]
@@ -67,7 +68,7 @@ def make_optimizer(model: nn.Module, sharded: str | None) -> torch.optim.Optimiz
     kwargs = dict(lr=0.05, weight_decay=0.1, betas=(0.8, 0.9), eps=0.1)
     if sharded is None:
         return torch.optim.AdamW([{"params": first}, {"params": second, "lr": 0.02}], **kwargs)
-    optimizer = ShardedOptimizer(first, torch.optim.AdamW, exchange=sharded, **kwargs)
+    optimizer = ShardedOptimizer(first, torch.optim.AdamW, exchange=sharded, exchange_stages=exchange_stages, **kwargs)
     optimizer.add_param_group({"params": second, "lr": 0.02})
     return optimizer
 
@@ -127,13 +128,14 @@ CONTAINERS = {
 TOLERANCE = {"bucketed_bf16_comm": 2e-3}
 
 
-def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None):
+def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None,
+               exchange_stages: int = 4):
     """Train a fresh, rank-seeded ToyNet; returns (what the tests check, the container, its optimizer)."""
     torch.manual_seed(100 + rank)  # every rank starts from different weights: the container must broadcast
     before = ToyNet()
     model = CONTAINERS[container](copy.deepcopy(before))
     initial = copy.deepcopy(model.module)  # rank 0's weights, after the broadcast
-    optimizer = make_optimizer(model.module, sharded)
+    optimizer = make_optimizer(model.module, sharded, exchange_stages)
     report = {"no_sync_all_reduces": 0, "all_reduces_during_backward": []}
     for batch in global_batches(world_size, MICRO_BATCHES):
         optimizer.zero_grad(set_to_none=set_to_none)
@@ -150,7 +152,7 @@ def train_with(container: str, rank: int, world_size: int, set_to_none: bool = T
         optimizer.step()
     report["before"] = before.state_dict()
     report["initial"] = initial.state_dict()
-    report["final"] = model.module.state_dict()
+    report["final"] = copy.deepcopy(model.module.state_dict())  # later steps must not change it
     if rank == 0:
         reference, reference_optimizer = reference_training(initial, world_size, MICRO_BATCHES)
         report["reference"] = reference.state_dict()
@@ -177,25 +179,53 @@ def run_containers(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def run_sharded(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """ShardedOptimizer over DDPBucketed with both exchanges, its consolidated state, and loading a
-    single-process AdamW state into the sharded optimizer (world size 1 → 2)."""
+    """ShardedOptimizer over DDPBucketed with both exchanges and 1, 4 (the default) or more exchange stages
+    than parameters, its consolidated state, the order of one step's updates and exchanges, and loading
+    a single-process AdamW state into the sharded optimizer (world size 1 → 2)."""
     torch.set_num_threads(1)
     init_group(rank, world_size, port)
     try:
         runs = {}
-        for exchange in ("p2p", "broadcast"):
-            report, model, optimizer = train_with("bucketed", rank, world_size, sharded=exchange)
+        for name, exchange, stages in SHARDED_RUNS:
+            report, model, optimizer = train_with("bucketed", rank, world_size, sharded=exchange, exchange_stages=stages)
             named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
             report["owned"] = [n for n, p in named if optimizer.owner(p) == rank]
-            report["state_keys"] = [n for n, p in named if p in optimizer.local_optimizer.state]
+            report["state_keys"] = [n for n, p in named if p in optimizer.state]
             optimizer.consolidate_state_dict(to=0)
             if rank == 0:
-                report["consolidated"] = optimizer.state_dict()
-            runs[exchange] = report
+                report["consolidated"] = copy.deepcopy(optimizer.state_dict())
+            report["step_order"] = step_order(model, optimizer, rank)
+            runs[name] = report
         runs["resumed_from_single_process"] = resume_from_single_process(rank, world_size, runs["p2p"])
         torch.save(runs, Path(out_dir) / f"sharded_rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+SHARDED_RUNS = [("p2p", "p2p", 4), ("broadcast", "broadcast", 4), ("p2p_one_stage", "p2p", 1),
+                ("p2p_many_stages", "p2p", 16)]
+
+
+def step_order(model: DDPBucketed, optimizer: ShardedOptimizer, rank: int) -> list[str]:
+    """One more training step, recording in order each stage's local update ("step") and each launch of
+    a parameter exchange ("exchange")."""
+    events: list[str] = []
+    launchers = {"batch_isend_irecv": dist.batch_isend_irecv, "broadcast": dist.broadcast}
+    for name, original in launchers.items():
+        setattr(dist, name, lambda *a, _original=original, **k: (events.append("exchange"), _original(*a, **k))[1])
+    hooks = [stage.register_step_post_hook(lambda *_: events.append("step")) for stage in optimizer._stages]
+    try:
+        optimizer.zero_grad()
+        batch = torch.randint(0, VOCAB, (BATCH, 7), generator=torch.Generator().manual_seed(7 + rank))
+        shard_loss(model, batch, rank).backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+    finally:
+        for name, original in launchers.items():
+            setattr(dist, name, original)
+        for hook in hooks:
+            hook.remove()
+    return events
 
 
 def resume_from_single_process(rank: int, world_size: int, report: dict) -> dict:

@@ -36,7 +36,8 @@ def test_ddp_bench_compares_variants_and_keeps_replicas_equal(tmp_path):
 
 def test_ddp_bench_names_a_bad_variant_or_option():
     for bad, said in (("bucketed_x", "unknown variant 'bucketed_x'"), ("torch_ddp+fast", "unknown option 'fast'"),
-                      ("single+bf16", "takes no communication options"), ("torch_ddp+thread", "not 'torch_ddp'")):
+                      ("single+bf16", "takes no communication options"), ("torch_ddp+thread", "not 'torch_ddp'"),
+                      ("bucketed_25+stages2", "not 'bucketed_25'"), ("zero1+stages0", "unknown option 'stages0'")):
         with pytest.raises(SystemExit):
             ddp.parse_args(["--device", "cpu", "--variants", bad])
         with pytest.raises(ValueError, match=said):
@@ -49,6 +50,8 @@ def test_variant_options_parse():
     assert ddp.Variant.parse("torch_ddp+normal").group_key == (False, None)
     assert ddp.Variant.parse("torch_ddp").group_key is None
     assert ddp.Variant.parse("bucketed_25+thread").launch_thread
+    assert ddp.Variant.parse("zero1+thread+stages1").exchange_stages == 1
+    assert ddp.Variant.parse("zero1").exchange_stages is None
 
 
 def test_paired_bench_alternates_variants_and_reports_ratios(tmp_path):
@@ -56,10 +59,10 @@ def test_paired_bench_alternates_variants_and_reports_ratios(tmp_path):
 
     rows = ddp_paired.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1",
                             "--device", "cpu", "--nproc", "2", "--warmup", "1", "--iterations", "3", "--steps-per-turn",
-                            "2", "--pairs", "single:bucketed_1,torch_ddp:bucketed_1+bf16,bucketed_1:zero1+thread",
+                            "2", "--pairs", "single:bucketed_1,torch_ddp:bucketed_1+bf16,zero1+stages1:zero1+thread",
                             "--out-dir", str(tmp_path)])
     assert [(r["A"], r["B"]) for r in rows] == [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+bf16"),
-                                                ("bucketed_1", "zero1+thread")]
+                                                ("zero1+stages1", "zero1+thread")]
     for row in rows:
         assert row["iterations"] == 3 and row["A_ms"] > 0 and row["B_ms"] > 0
         assert row["B_over_A_q1"] <= row["B_over_A"] <= row["B_over_A_q3"]

@@ -3,9 +3,12 @@
 import pytest
 import torch
 
-from parallel_workers import ToyNet, make_optimizer, run_sharded
+from lm_systems.parallel import ShardedOptimizer
+from lm_systems.parallel.sharded_optimizer import _cut
+from parallel_workers import SHARDED_RUNS, ToyNet, make_optimizer, run_sharded
 
-EXCHANGES = ["p2p", "broadcast"]
+RUNS = [name for name, _, _ in SHARDED_RUNS]  # p2p / broadcast exchange; 4 (default), 1 or 16 stages
+STAGES = {name: stages for name, _, stages in SHARDED_RUNS}
 
 
 @pytest.fixture(scope="module")
@@ -21,25 +24,56 @@ def assert_state_close(actual: dict, expected: dict) -> None:
         torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
-def test_training_matches_single_process_adamw(runs, exchange):
+@pytest.mark.parametrize("run", RUNS)
+def test_training_matches_single_process_adamw(runs, run):
     """Second parameter group added after construction, with its own learning rate."""
     for rank in range(2):
-        assert_state_close(runs[rank][exchange]["final"], runs[0][exchange]["reference"])
+        assert_state_close(runs[rank][run]["final"], runs[0][run]["reference"])
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
-def test_each_rank_holds_state_only_for_its_balanced_shard(runs, exchange):
-    owned = [set(runs[r][exchange]["owned"]) for r in range(2)]
+@pytest.mark.parametrize("run", RUNS)
+def test_each_rank_holds_state_only_for_its_balanced_shard(runs, run):
+    owned = [set(runs[r][run]["owned"]) for r in range(2)]
     assert owned[0].isdisjoint(owned[1])
     trainable = {n for n, p in ToyNet().named_parameters() if p.requires_grad}
     assert owned[0] | owned[1] == trainable
     for rank in range(2):
         # never_used has no gradient, so AdamW creates no state for it.
-        assert set(runs[rank][exchange]["state_keys"]) == owned[rank] - {"never_used.weight", "never_used.bias"}
+        assert set(runs[rank][run]["state_keys"]) == owned[rank] - {"never_used.weight", "never_used.bias"}
     sizes = dict((n, p.numel()) for n, p in ToyNet().named_parameters())
     loads = [sum(sizes[n] for n in owned[r]) for r in range(2)]
     assert abs(loads[0] - loads[1]) <= max(sizes[n] for n in trainable), f"unbalanced shards: {loads}"
+
+
+@pytest.mark.parametrize("run", ["p2p", "broadcast", "p2p_many_stages"])
+def test_exchange_starts_while_later_stages_are_still_to_step(runs, run):
+    """The pipeline: the first stage's parameters are sent before the last stage is updated."""
+    for rank in range(2):
+        events = runs[rank][run]["step_order"]
+        assert events.count("step") == STAGES[run]
+        last_step = len(events) - 1 - events[::-1].index("step")
+        assert events.index("exchange") < last_step, events
+
+
+def test_one_stage_steps_the_whole_shard_then_exchanges(runs):
+    for rank in range(2):
+        assert runs[rank]["p2p_one_stage"]["step_order"] == ["step", "exchange"]
+
+
+@pytest.mark.parametrize(("sizes", "parts", "expected"), [
+    ([5] * 8, 4, [0, 0, 1, 1, 2, 2, 3, 3]),
+    ([100, 1, 1, 1], 4, [1, 3, 3, 3]),  # a parameter goes where its middle falls
+    ([3, 3], 4, [1, 3]),  # more parts than parameters: some parts stay empty
+    ([7], 1, [0]),
+    ([], 4, []),
+])
+def test_cut_into_runs_of_about_equal_size(sizes, parts, expected):
+    assert _cut([torch.empty(n) for n in sizes], parts) == expected
+
+
+def test_bad_exchange_stages_is_refused(single_rank_group):
+    with pytest.raises(ValueError, match="exchange_stages"):
+        ShardedOptimizer(ToyNet().parameters(), torch.optim.AdamW, exchange_stages=0)
 
 
 def assert_optimizer_states_equal(actual: dict, expected: dict) -> None:

@@ -140,7 +140,7 @@ class Recorder(Callback):
         if isinstance(optimizer, ShardedOptimizer):
             named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
             record["owned"] = [n for n, p in named if optimizer.owner(p) == trainer.global_rank]
-            record["state_keys"] = [n for n, p in named if p in optimizer.local_optimizer.state]
+            record["state_keys"] = [n for n, p in named if p in optimizer.state]
         torch.save(record, Path(self.out_dir) / f"{self.tag}_rank{trainer.global_rank}.pt")
         for (owner, name), original in self._originals.items():
             setattr(owner, name, original)

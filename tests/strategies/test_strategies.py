@@ -143,3 +143,8 @@ def test_bad_comm_max_ctas_names_the_option():
 def test_bad_exchange_names_the_option():
     with pytest.raises(ValueError, match="init_args.exchange"):
         strategies.Zero1Strategy(exchange="allgather")
+
+
+def test_bad_exchange_stages_names_the_option():
+    with pytest.raises(ValueError, match="init_args.exchange_stages"):
+        strategies.Zero1Strategy(exchange_stages=0)
