@@ -22,7 +22,8 @@ class Zero1Strategy(BucketedDDPStrategy):
     optimizer state (Lightning calls ``consolidate_state_dict`` on every rank, then saves rank 0's), in
     the plain optimizer's format: they resume under zero1 on any number of devices, or under any other
     strategy. ``exchange`` and ``exchange_stages`` are the ShardedOptimizer's: how updated parameters
-    reach the other ranks, and in how many stages that exchange is pipelined with the step.
+    reach the other ranks, and in how many stages that exchange is pipelined with the step; with
+    ``comm_high_priority`` the exchange shares the gradients' high-priority group.
     """
 
     strategy_name = "zero1"
@@ -54,7 +55,7 @@ class Zero1Strategy(BucketedDDPStrategy):
             return optimizer
         wrapped = ShardedOptimizer(
             optimizer.param_groups, type(optimizer), exchange=self._exchange, exchange_stages=self._exchange_stages,
-            **optimizer_init_kwargs(optimizer),
+            process_group=self._grad_group, **optimizer_init_kwargs(optimizer),
         )
         if any(a is not b for a, b in zip(wrapped.param_groups, optimizer.param_groups)):
             raise RuntimeError("ShardedOptimizer did not adopt the optimizer's param-group dicts; schedulers would not reach it")

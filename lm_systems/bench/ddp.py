@@ -14,7 +14,7 @@ synchronisation alone). Variants, all interleaved round by round, a fresh model 
   ``torch_zero``: torch DDP + torch's ZeroRedundancyOptimizer, its baseline.
 
 A variant may carry options after ``+`` (any DDP variant, ours or torch's, so both get the same):
-``+hp`` all-reduces on an NCCL group with a high-priority stream, ``+ctas<k>`` caps that group's
+``+hp`` all-reduces (zero1: and exchanges parameters) on an NCCL group with a high-priority stream, ``+ctas<k>`` caps that group's
 all-reduces at k thread blocks, ``+normal`` uses such a group at normal priority, ``+bf16`` sends
 gradients in bf16 (torch DDP through its ``bf16_compress_hook``), ``+carve<k>`` runs backward's
 matmuls through cuBLASLt told to leave k SMs free (torch's experimental SM carve-out) for the
@@ -160,7 +160,8 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
         container = DDPBucketed(model, bucket_size_mb=25, **comm, **launching)
         exchange = "broadcast" if base.endswith("broadcast") else "p2p"
         stages = {} if variant.exchange_stages is None else {"exchange_stages": variant.exchange_stages}
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, exchange=exchange, **stages, **adamw)
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, exchange=exchange, process_group=group,
+                                     **stages, **adamw)
         return Run(container, optimizer, container.finish_gradient_synchronization, [container.remove_hooks])
     containers: dict[str, Callable[[], DataParallelModule]] = {
         "naive": lambda: NaiveDDP(model, **comm),

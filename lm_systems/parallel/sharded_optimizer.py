@@ -31,6 +31,8 @@ class ShardedOptimizer(Optimizer):
     parameter group) is cut into that many runs of about equal size, and stage k's parameters start
     travelling as soon as stage k is stepped, while stage k+1 is being stepped; only the last stage's
     exchange is left after the last update. ``exchange_stages=1`` steps the whole shard, then exchanges.
+    ``process_group`` (all ranks; default: the default group) carries the exchange, e.g. one from
+    ``gradient_process_group()``, whose high-priority stream gets SMs while the next stage's update runs.
 
     ``param_groups`` are the full groups (learning-rate schedulers, clipping and ``zero_grad`` see every
     parameter); their hyperparameters are copied into the local optimizers before each step; ``state``
@@ -45,9 +47,12 @@ class ShardedOptimizer(Optimizer):
         optimizer_cls: type[Optimizer],
         exchange: Exchange = "p2p",
         exchange_stages: int = 4,
+        process_group: dist.ProcessGroup | None = None,
         **kwargs: Any,
     ) -> None:
         require_process_group("ShardedOptimizer")
+        if process_group is not None and dist.get_world_size(process_group) != dist.get_world_size():
+            raise ValueError("process_group must hold every rank: parameters are exchanged among all of them")
         if exchange not in ("p2p", "broadcast"):
             raise ValueError(f"exchange must be 'p2p' or 'broadcast', got {exchange!r}")
         if exchange_stages < 1:
@@ -55,6 +60,7 @@ class ShardedOptimizer(Optimizer):
         self._optimizer_cls = optimizer_cls
         self._optimizer_kwargs = kwargs
         self._exchange = exchange
+        self._group = process_group
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._owner: dict[int, int] = {}  # id(param) → owning rank
@@ -135,16 +141,17 @@ class ShardedOptimizer(Optimizer):
         if self.world_size == 1 or not params:
             return []
         if self._exchange == "broadcast":
-            return [dist.broadcast(p.detach(), src=self.owner(p), async_op=True) for p in params]
+            return [dist.broadcast(p.detach(), src=self.owner(p), group=self._group, async_op=True) for p in params]
         works = []
         for start in range(0, len(params), _P2P_PARAMS_PER_BATCH):
             ops = []
             for p in params[start : start + _P2P_PARAMS_PER_BATCH]:
                 owner = self.owner(p)
                 if owner == self.rank:
-                    ops += [dist.P2POp(dist.isend, p.detach(), peer) for peer in range(self.world_size) if peer != owner]
+                    ops += [dist.P2POp(dist.isend, p.detach(), peer, self._group)
+                            for peer in range(self.world_size) if peer != owner]
                 else:
-                    ops.append(dist.P2POp(dist.irecv, p.detach(), owner))
+                    ops.append(dist.P2POp(dist.irecv, p.detach(), owner, self._group))
             works += dist.batch_isend_irecv(ops)
         return works
 

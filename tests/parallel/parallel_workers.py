@@ -58,7 +58,8 @@ def global_batches(world_size: int, micro_batches: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (world_size, micro_batches, BATCH, 7), generator=g) for _ in range(STEPS)]
 
 
-def make_optimizer(model: nn.Module, sharded: str | None, exchange_stages: int = 4) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, sharded: str | None, exchange_stages: int = 4,
+                   process_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
     """AdamW over two groups; the sharded one (``sharded``: its exchange) gets its second group through
     add_param_group."""
     named = dict(model.named_parameters())
@@ -68,7 +69,8 @@ def make_optimizer(model: nn.Module, sharded: str | None, exchange_stages: int =
     kwargs = dict(lr=0.05, weight_decay=0.1, betas=(0.8, 0.9), eps=0.1)
     if sharded is None:
         return torch.optim.AdamW([{"params": first}, {"params": second, "lr": 0.02}], **kwargs)
-    optimizer = ShardedOptimizer(first, torch.optim.AdamW, exchange=sharded, exchange_stages=exchange_stages, **kwargs)
+    optimizer = ShardedOptimizer(first, torch.optim.AdamW, exchange=sharded, exchange_stages=exchange_stages,
+                                 process_group=process_group, **kwargs)
     optimizer.add_param_group({"params": second, "lr": 0.02})
     return optimizer
 
@@ -129,13 +131,13 @@ TOLERANCE = {"bucketed_bf16_comm": 2e-3}
 
 
 def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None,
-               exchange_stages: int = 4):
+               exchange_stages: int = 4, exchange_group: dist.ProcessGroup | None = None):
     """Train a fresh, rank-seeded ToyNet; returns (what the tests check, the container, its optimizer)."""
     torch.manual_seed(100 + rank)  # every rank starts from different weights: the container must broadcast
     before = ToyNet()
     model = CONTAINERS[container](copy.deepcopy(before))
     initial = copy.deepcopy(model.module)  # rank 0's weights, after the broadcast
-    optimizer = make_optimizer(model.module, sharded, exchange_stages)
+    optimizer = make_optimizer(model.module, sharded, exchange_stages, exchange_group)
     report = {"no_sync_all_reduces": 0, "all_reduces_during_backward": []}
     for batch in global_batches(world_size, MICRO_BATCHES):
         optimizer.zero_grad(set_to_none=set_to_none)
@@ -186,8 +188,11 @@ def run_sharded(rank: int, world_size: int, port: int, out_dir: str) -> None:
     init_group(rank, world_size, port)
     try:
         runs = {}
+        own_group = dist.new_group(backend="gloo", timeout=TIMEOUT)
         for name, exchange, stages in SHARDED_RUNS:
-            report, model, optimizer = train_with("bucketed", rank, world_size, sharded=exchange, exchange_stages=stages)
+            group = own_group if name.endswith("own_group") else None
+            report, model, optimizer = train_with("bucketed", rank, world_size, sharded=exchange, exchange_stages=stages,
+                                                  exchange_group=group)
             named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
             report["owned"] = [n for n, p in named if optimizer.owner(p) == rank]
             report["state_keys"] = [n for n, p in named if p in optimizer.state]
@@ -203,16 +208,27 @@ def run_sharded(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 SHARDED_RUNS = [("p2p", "p2p", 4), ("broadcast", "broadcast", 4), ("p2p_one_stage", "p2p", 1),
-                ("p2p_many_stages", "p2p", 16)]
+                ("p2p_many_stages", "p2p", 16), ("p2p_own_group", "p2p", 4), ("broadcast_own_group", "broadcast", 4)]
+# *_own_group: the exchange runs on a process group of its own, not the default one.
 
 
 def step_order(model: DDPBucketed, optimizer: ShardedOptimizer, rank: int) -> list[str]:
     """One more training step, recording in order each stage's local update ("step") and each launch of
-    a parameter exchange ("exchange")."""
+    a parameter exchange ("exchange" on the default group, "exchange@own" on another)."""
     events: list[str] = []
-    launchers = {"batch_isend_irecv": dist.batch_isend_irecv, "broadcast": dist.broadcast}
-    for name, original in launchers.items():
-        setattr(dist, name, lambda *a, _original=original, **k: (events.append("exchange"), _original(*a, **k))[1])
+
+    def recording(original, group_of):
+        def launch(*args, **kwargs):
+            group = group_of(args, kwargs)
+            events.append("exchange" if group in (None, dist.group.WORLD) else "exchange@own")
+            return original(*args, **kwargs)
+
+        return launch
+
+    launchers = {"batch_isend_irecv": (dist.batch_isend_irecv, lambda args, kwargs: args[0][0].group),
+                 "broadcast": (dist.broadcast, lambda args, kwargs: kwargs.get("group"))}
+    for name, (original, group_of) in launchers.items():
+        setattr(dist, name, recording(original, group_of))
     hooks = [stage.register_step_post_hook(lambda *_: events.append("step")) for stage in optimizer._stages]
     try:
         optimizer.zero_grad()
@@ -221,7 +237,7 @@ def step_order(model: DDPBucketed, optimizer: ShardedOptimizer, rank: int) -> li
         model.finish_gradient_synchronization()
         optimizer.step()
     finally:
-        for name, original in launchers.items():
+        for name, (original, _) in launchers.items():
             setattr(dist, name, original)
         for hook in hooks:
             hook.remove()

@@ -45,14 +45,17 @@ def test_each_rank_holds_state_only_for_its_balanced_shard(runs, run):
     assert abs(loads[0] - loads[1]) <= max(sizes[n] for n in trainable), f"unbalanced shards: {loads}"
 
 
-@pytest.mark.parametrize("run", ["p2p", "broadcast", "p2p_many_stages"])
+@pytest.mark.parametrize("run", ["p2p", "broadcast", "p2p_many_stages", "p2p_own_group", "broadcast_own_group"])
 def test_exchange_starts_while_later_stages_are_still_to_step(runs, run):
-    """The pipeline: the first stage's parameters are sent before the last stage is updated."""
+    """The pipeline: the first stage's parameters are sent before the last stage is updated, on the
+    process group the optimizer was given."""
+    launch = "exchange@own" if run.endswith("own_group") else "exchange"
     for rank in range(2):
         events = runs[rank][run]["step_order"]
+        assert set(events) == {"step", launch}, events
         assert events.count("step") == STAGES[run]
         last_step = len(events) - 1 - events[::-1].index("step")
-        assert events.index("exchange") < last_step, events
+        assert events.index(launch) < last_step, events
 
 
 def test_one_stage_steps_the_whole_shard_then_exchanges(runs):

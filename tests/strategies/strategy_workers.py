@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import strategies  # noqa: F401  (registers the strategy names in worker processes too)
 from lm_systems.parallel import ShardedOptimizer
 from lm_systems.parallel.collectives import GradientAverager
-from strategies import BucketedDDPStrategy
+from strategies import BucketedDDPStrategy, Zero1Strategy
 
 VOCAB, DIM, SEQ = 23, 11, 6
 MICRO_BATCH, ACCUMULATE, WORLD = 3, 2, 2
@@ -147,10 +147,13 @@ class Recorder(Callback):
 
 
 def make_strategy(name: str):
-    """A registered name, ``bucketed_ddp+bf16`` (bucketed_ddp sending its gradients in bf16) or
-    ``bucketed_ddp+no_thread`` (launching its all-reduces from the gradient hooks themselves)."""
+    """A registered name, ``bucketed_ddp+bf16`` (bucketed_ddp sending its gradients in bf16),
+    ``bucketed_ddp+no_thread`` (launching its all-reduces from the gradient hooks themselves) or
+    ``zero1+hp`` (gradients and parameter exchange on a high-priority NCCL group of its own)."""
     if name == "bucketed_ddp+bf16":
         return BucketedDDPStrategy(grad_comm_dtype="bf16")
+    if name == "zero1+hp":
+        return Zero1Strategy(comm_high_priority=True)
     if name == "bucketed_ddp+no_thread":
         return BucketedDDPStrategy(launch_thread=False)
     return name
