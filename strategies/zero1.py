@@ -29,7 +29,7 @@ class Zero1Strategy(BucketedDDPStrategy):
     strategy_name = "zero1"
     strategy_description = "ZeRO-1: DDPBucketed gradients, ShardedOptimizer state"
 
-    def __init__(self, bucket_size_mb: float = 25.0, exchange: Exchange = "p2p", exchange_stages: int = 4,
+    def __init__(self, bucket_size_mb: float = 25.0, exchange: Exchange = "p2p", exchange_stages: int = 1,
                  **kwargs: Any) -> None:
         if exchange not in ("p2p", "broadcast"):
             raise ValueError(f"exchange must be 'p2p' or 'broadcast', got {exchange!r} (strategy init_args.exchange)")

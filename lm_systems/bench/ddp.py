@@ -20,8 +20,8 @@ gradients in bf16 (torch DDP through its ``bf16_compress_hook``), ``+carve<k>`` 
 matmuls through cuBLASLt told to leave k SMs free (torch's experimental SM carve-out) for the
 all-reduces; ``+thread`` (ours only) launches the all-reduces from a thread of their own instead of
 autograd's (``launch_thread``); ``+stages<k>`` (zero1 only) pipelines its step and parameter exchange
-in k stages (``exchange_stages``; ``+stages1``: step everything, then exchange). E.g. ``bucketed_25+hp``,
-``torch_ddp+hp+bf16``, ``bucketed_25+thread``, ``zero1+thread+stages1``.
+in k stages (``exchange_stages``; the default, 1: step everything, then exchange). E.g. ``bucketed_25+hp``,
+``torch_ddp+hp+bf16``, ``bucketed_25+thread``, ``zero1+thread+hp+stages4``.
 
 Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
 instrumented steps (forward, backward, gradient sync left after backward, optimizer), with

@@ -27,12 +27,14 @@ class ShardedOptimizer(Optimizer):
     each peer, all links busy at once, no copies) or by one broadcast per parameter from its owner
     (``exchange="broadcast"``). Gradients must already be averaged over ranks (any data-parallel container).
 
-    The step and the exchange are pipelined in ``exchange_stages`` stages: every rank's shard (per
-    parameter group) is cut into that many runs of about equal size, and stage k's parameters start
-    travelling as soon as stage k is stepped, while stage k+1 is being stepped; only the last stage's
-    exchange is left after the last update. ``exchange_stages=1`` steps the whole shard, then exchanges.
-    ``process_group`` (all ranks; default: the default group) carries the exchange, e.g. one from
-    ``gradient_process_group()``, whose high-priority stream gets SMs while the next stage's update runs.
+    By default the whole shard is stepped, then exchanged. With ``exchange_stages`` k > 1 the two are
+    pipelined: every rank's shard (per parameter group) is cut into k runs of about equal size, and stage
+    i's parameters start travelling as soon as stage i is stepped, while stage i+1 is being stepped. On
+    two H200s, 4 stages on the default group measured no gain for xl (1.03x, quartiles 0.98-1.09:
+    benchmarks/results/ddp_paired_xl_2gpu_zero1_stages.md), plausibly because the multi-tensor update
+    holds every SM and the exchange's kernels wait for it; ``process_group`` (all ranks; default: the
+    default group) can put the exchange on a high-priority stream (``gradient_process_group()``), whose
+    blocks are scheduled first; that combination is not measured yet.
 
     ``param_groups`` are the full groups (learning-rate schedulers, clipping and ``zero_grad`` see every
     parameter); their hyperparameters are copied into the local optimizers before each step; ``state``
@@ -46,7 +48,7 @@ class ShardedOptimizer(Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         optimizer_cls: type[Optimizer],
         exchange: Exchange = "p2p",
-        exchange_stages: int = 4,
+        exchange_stages: int = 1,
         process_group: dist.ProcessGroup | None = None,
         **kwargs: Any,
     ) -> None:

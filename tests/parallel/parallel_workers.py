@@ -58,7 +58,7 @@ def global_batches(world_size: int, micro_batches: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (world_size, micro_batches, BATCH, 7), generator=g) for _ in range(STEPS)]
 
 
-def make_optimizer(model: nn.Module, sharded: str | None, exchange_stages: int = 4,
+def make_optimizer(model: nn.Module, sharded: str | None, exchange_stages: int = 1,
                    process_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
     """AdamW over two groups; the sharded one (``sharded``: its exchange) gets its second group through
     add_param_group."""
@@ -131,7 +131,7 @@ TOLERANCE = {"bucketed_bf16_comm": 2e-3}
 
 
 def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None,
-               exchange_stages: int = 4, exchange_group: dist.ProcessGroup | None = None):
+               exchange_stages: int = 1, exchange_group: dist.ProcessGroup | None = None):
     """Train a fresh, rank-seeded ToyNet; returns (what the tests check, the container, its optimizer)."""
     torch.manual_seed(100 + rank)  # every rank starts from different weights: the container must broadcast
     before = ToyNet()

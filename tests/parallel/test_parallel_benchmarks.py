@@ -59,10 +59,10 @@ def test_paired_bench_alternates_variants_and_reports_ratios(tmp_path):
 
     rows = ddp_paired.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1",
                             "--device", "cpu", "--nproc", "2", "--warmup", "1", "--iterations", "3", "--steps-per-turn",
-                            "2", "--pairs", "single:bucketed_1,torch_ddp:bucketed_1+bf16,zero1+stages1:zero1+thread",
+                            "2", "--pairs", "single:bucketed_1,torch_ddp:bucketed_1+bf16,zero1:zero1+thread+stages4",
                             "--out-dir", str(tmp_path)])
     assert [(r["A"], r["B"]) for r in rows] == [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+bf16"),
-                                                ("zero1+stages1", "zero1+thread")]
+                                                ("zero1", "zero1+thread+stages4")]
     for row in rows:
         assert row["iterations"] == 3 and row["A_ms"] > 0 and row["B_ms"] > 0
         assert row["B_over_A_q1"] <= row["B_over_A"] <= row["B_over_A_q3"]

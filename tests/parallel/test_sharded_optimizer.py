@@ -7,7 +7,7 @@ from lm_systems.parallel import ShardedOptimizer
 from lm_systems.parallel.sharded_optimizer import _cut
 from parallel_workers import SHARDED_RUNS, ToyNet, make_optimizer, run_sharded
 
-RUNS = [name for name, _, _ in SHARDED_RUNS]  # p2p / broadcast exchange; 4 (default), 1 or 16 stages
+RUNS = [name for name, _, _ in SHARDED_RUNS]  # p2p / broadcast exchange; 1 (the default), 4 or 16 stages
 STAGES = {name: stages for name, _, stages in SHARDED_RUNS}
 
 
