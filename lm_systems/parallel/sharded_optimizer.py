@@ -27,14 +27,14 @@ class ShardedOptimizer(Optimizer):
     each peer, all links busy at once, no copies) or by one broadcast per parameter from its owner
     (``exchange="broadcast"``). Gradients must already be averaged over ranks (any data-parallel container).
 
-    By default the whole shard is stepped, then exchanged. With ``exchange_stages`` k > 1 the two are
-    pipelined: every rank's shard (per parameter group) is cut into k runs of about equal size, and stage
-    i's parameters start travelling as soon as stage i is stepped, while stage i+1 is being stepped. On
-    two H200s, 4 stages on the default group measured no gain for xl (1.03x, quartiles 0.98-1.09:
-    benchmarks/results/ddp_paired_xl_2gpu_zero1_stages.md), plausibly because the multi-tensor update
-    holds every SM and the exchange's kernels wait for it; ``process_group`` (all ranks; default: the
-    default group) can put the exchange on a high-priority stream (``gradient_process_group()``), whose
-    blocks are scheduled first; that combination is not measured yet.
+    By default the whole shard is stepped, then exchanged, on the default group. With ``exchange_stages``
+    k > 1 the two are pipelined: every rank's shard (per parameter group) is cut into k runs of about
+    equal size, and stage i's parameters start travelling as soon as stage i is stepped, while stage
+    i+1 is being stepped. That pays only when the exchange runs on a high-priority stream
+    (``process_group=gradient_process_group()``, all ranks): the multi-tensor update holds every SM, and
+    a normal-priority NCCL kernel gets none until its blocks are all dispatched. On two H200s, xl, 4
+    stages measured 0.97x the one-stage step on a high-priority group (twice) and 1.03x on the default
+    one (benchmarks/results/ddp_paired_xl_2gpu_zero1_{hp_stages,stages}.md); the zero1 strategy uses both.
 
     ``param_groups`` are the full groups (learning-rate schedulers, clipping and ``zero_grad`` see every
     parameter); their hyperparameters are copied into the local optimizers before each step; ``state``

@@ -149,11 +149,11 @@ class Recorder(Callback):
 def make_strategy(name: str):
     """A registered name, ``bucketed_ddp+bf16`` (bucketed_ddp sending its gradients in bf16),
     ``bucketed_ddp+no_thread`` (launching its all-reduces from the gradient hooks themselves) or
-    ``zero1+hp`` (gradients and parameter exchange on a high-priority NCCL group of its own)."""
+    ``zero1+stages1`` (zero1 stepping its whole shard, then exchanging, on the default group)."""
     if name == "bucketed_ddp+bf16":
         return BucketedDDPStrategy(grad_comm_dtype="bf16")
-    if name == "zero1+hp":
-        return Zero1Strategy(comm_high_priority=True)
+    if name == "zero1+stages1":
+        return Zero1Strategy(exchange_stages=1, comm_high_priority=False)
     if name == "bucketed_ddp+no_thread":
         return BucketedDDPStrategy(launch_thread=False)
     return name
