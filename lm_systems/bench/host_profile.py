@@ -1,0 +1,136 @@
+"""Where a data-parallel step's host time goes, thread by thread: ``python -m lm_systems.bench.host_profile``.
+
+On hosts where the xl backward is launch-bound, a data-parallel variant is as fast as the CUDA calls it
+adds to the threads that launch backward's kernels. This runs one step of each variant under
+torch.profiler (CPU and CUDA activity) on rank 0, after warm-up steps, and reports per host thread and
+category (CUDA runtime calls, driver calls, operators, annotations) the total time, the number of
+calls and the five largest entries: e.g. how many CUDA calls a launch thread makes per all-reduce, and
+how long backward's own ``cudaLaunchKernel`` calls took beside them. One profiled step per variant on a
+drifting host: read the counts, and the durations as orders of magnitude. Operator times nest (a
+parent includes its children), so their totals overcount. Variants are bench.ddp's names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+
+from lm_systems.bench.ddp import Variant, add_setup_args, build, check_setup_args, make_step, run_label
+from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
+from lm_systems.bench.report import write_results
+from lm_systems.config import ModelConfig
+
+DEFAULT_VARIANTS = ["single", "bucketed_25+thread", "bucketed_1000+thread", "torch_ddp"]
+CATEGORIES = ("cuda_runtime", "cuda_driver", "cpu_op", "user_annotation")
+MIN_OPERATOR_MS = 2.0  # operator and annotation rows below this per thread are left out; CUDA rows never
+
+
+def summarize_host(events: list[dict], variant: str) -> list[dict]:
+    """Chrome-trace events → one row per (thread, category): total ms, calls, the five largest entries."""
+    time: dict[tuple[str, int], Counter] = defaultdict(Counter)
+    calls: dict[tuple[str, int], Counter] = defaultdict(Counter)
+    for event in events:
+        if event.get("ph") == "X" and event.get("cat") in CATEGORIES and "dur" in event:
+            key = (event["cat"], event.get("tid"))
+            time[key][event["name"]] += event["dur"]
+            calls[key][event["name"]] += 1
+    rows = []
+    for (category, thread), spent in sorted(time.items(), key=lambda item: -sum(item[1].values())):
+        total_ms = sum(spent.values()) / 1e3
+        if not category.startswith("cuda") and total_ms < MIN_OPERATOR_MS:
+            continue
+        top = ", ".join(f"{name[:40]} {us / 1e3:.1f} ms/{calls[(category, thread)][name]}"
+                        for name, us in spent.most_common(5))
+        rows.append({"variant": variant, "thread": thread, "category": category, "total_ms": total_ms,
+                     "calls": sum(calls[(category, thread)].values()), "largest": top})
+    return rows
+
+
+def profile_step(step, batch: torch.Tensor, device: torch.device) -> list[dict]:
+    """Run ``step(batch)`` once under the profiler; its Chrome-trace events."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step(batch)
+        synchronize(device)
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+    finally:
+        os.remove(path)
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    device = init_rank(rank, args.nproc, port, "nccl" if args.device == "cuda" else "gloo", args.timeout_s)
+    config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=args.attention,
+                                   vocab_size=args.vocab_size)
+    g = torch.Generator(device=device).manual_seed(1000 + rank)
+    batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
+    try:
+        for name in args.variants:
+            variant = Variant.parse(name)
+            here = variant.base != "single" or rank == 0
+            run = build(variant, config, device, None) if here else None
+            step = make_step(run, variant, args, device) if here else None
+            for _ in range(args.warmup if here else 0):
+                step(batch)
+            synchronize(device)
+            dist.barrier()
+            events = profile_step(step, batch, device) if here else []
+            if rank == 0:
+                for row in summarize_host(events, name):
+                    queue.put(row)
+            dist.barrier()
+            for cleanup in run.cleanup if run is not None else []:
+                cleanup()
+            run = step = events = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_setup_args(parser)
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS,
+                        help="comma-separated bench.ddp variant names, e.g. single,bucketed_25+thread")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before the profiled one")
+    args = parser.parse_args(argv)
+    check_setup_args(parser, args)
+    for name in args.variants:
+        try:
+            Variant.parse(name)
+        except ValueError as error:
+            parser.error(f"--variants: {error}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    return spawn_ranks(_worker, args, args.nproc, lambda rows: _write(rows, args))
+
+
+def _write(rows: list[dict], args: argparse.Namespace) -> None:
+    notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
+             f"{args.attention} attention; rank 0, one profiled step per variant after {args.warmup} warm-up "
+             "steps. thread: the host thread's id; total_ms and calls per (thread, category); largest: the "
+             "five largest entries as time/calls. Operator times nest, so their totals overcount.")
+    write_results(f"host_profile_{run_label(args)}", rows, title="Host time per thread, one data-parallel step",
+                  notes=notes, out_dir=args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
