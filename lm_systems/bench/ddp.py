@@ -128,6 +128,17 @@ class Variant:
         return None if self.high_priority is None else (self.high_priority, self.max_ctas)
 
 
+def variant_names(text: str) -> list[str]:
+    """A ``--variants`` value: comma-separated variant names, each one checked."""
+    names = text.split(",")
+    for name in names:
+        try:
+            Variant.parse(name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return names
+
+
 def _is_number(text: str) -> bool:
     try:
         return float(text) > 0
@@ -446,7 +457,7 @@ def check_setup_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_args(parser)
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS,
+    parser.add_argument("--variants", type=variant_names, default=DEFAULT_VARIANTS,
                         help="comma-separated; bucketed_<MB> for any bucket size; options after '+': "
                              "+hp, +normal, +ctas<k>, +bf16 (see above)")
     parser.add_argument("--profile", action="store_true",
@@ -467,11 +478,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"unknown attention {name!r}; registered: {', '.join(attention_names())}")
     if args.matrix_attention is None:
         args.matrix_attention = [a for a in ("sdpa", "flash_triton") if a in attention_names()] if args.matrix else []
-    for variant in args.variants:
-        try:
-            Variant.parse(variant)
-        except ValueError as error:
-            parser.error(f"--variants: {error}")
     return args
 
 

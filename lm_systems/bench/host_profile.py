@@ -22,7 +22,8 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import Variant, add_setup_args, build, check_setup_args, make_step, run_label
+from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, run_label,
+                                  variant_names)
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
 from lm_systems.config import ModelConfig
@@ -105,16 +106,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_args(parser)
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS,
+    parser.add_argument("--variants", type=variant_names, default=DEFAULT_VARIANTS,
                         help="comma-separated bench.ddp variant names, e.g. single,bucketed_25+thread")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the profiled one")
     args = parser.parse_args(argv)
     check_setup_args(parser, args)
-    for name in args.variants:
-        try:
-            Variant.parse(name)
-        except ValueError as error:
-            parser.error(f"--variants: {error}")
     return args
 
 
