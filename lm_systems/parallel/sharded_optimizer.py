@@ -30,9 +30,9 @@ class ShardedOptimizer(Optimizer):
     By default the whole shard is stepped, then exchanged, on the default group. With ``exchange_stages``
     k > 1 the two are pipelined: every rank's shard (per parameter group) is cut into k runs of about
     equal size, and stage i's parameters start travelling as soon as stage i is stepped, while stage
-    i+1 is being stepped. That pays only when the exchange runs on a high-priority stream
-    (``process_group=gradient_process_group()``, all ranks): the multi-tensor update holds every SM, and
-    a normal-priority NCCL kernel gets none until its blocks are all dispatched. On two H200s, xl, 4
+    i+1 is being stepped. That paid only with the exchange on a high-priority stream
+    (``process_group=gradient_process_group()``, all ranks), as if the multi-tensor update held every SM
+    and a normal-priority NCCL kernel waited for its blocks to be dispatched. On two H200s, xl, 4
     stages measured 0.97x the one-stage step on a high-priority group (twice) and 1.03x on the default
     one (benchmarks/results/ddp_paired_xl_2gpu_zero1_{hp_stages,stages}.md); the zero1 strategy uses both.
 
