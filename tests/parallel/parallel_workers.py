@@ -182,8 +182,9 @@ def run_containers(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 def run_sharded(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """ShardedOptimizer over DDPBucketed with both exchanges; 1 exchange stage (the default), 4, or more
-    stages than parameters; the exchange on its own group; its consolidated state, the order of one step's updates and exchanges, and loading
-    a single-process AdamW state into the sharded optimizer (world size 1 → 2)."""
+    stages than parameters; the exchange on its own group; its consolidated state, the order of one
+    step's updates and exchanges, and loading a single-process AdamW state into the sharded optimizer
+    (world size 1 → 2)."""
     torch.set_num_threads(1)
     init_group(rank, world_size, port)
     try:
