@@ -6,6 +6,8 @@ Lightning Trainer: the loop is the same for every variant, so the step times com
 synchronisation alone). Variants, all interleaved round by round, a fresh model each visit:
 
 - ``single``: rank 0 alone, no communication (the scaling baseline; the other ranks wait);
+- ``no_comm``: every rank trains its own model on its own data, no communication at all: the ceiling
+  any gradient synchronisation can reach with all GPUs busy (not a default: its replicas differ);
 - ``torch_ddp``: torch DistributedDataParallel with its defaults (Lightning's ``ddp``: 25 MB buckets,
   gradients copied into and out of the buckets); ``torch_ddp_view``: the same with
   ``gradient_as_bucket_view=True``;
@@ -20,8 +22,9 @@ gradients in bf16 (torch DDP through its ``bf16_compress_hook``), ``+carve<k>`` 
 matmuls through cuBLASLt told to leave k SMs free (torch's experimental SM carve-out) for the
 all-reduces; ``+thread`` (ours only) launches the all-reduces from a thread of their own instead of
 autograd's (``launch_thread``); ``+stages<k>`` (zero1 only) pipelines its step and parameter exchange
-in k stages (``exchange_stages``; the default, 1: step everything, then exchange). E.g. ``bucketed_25+hp``,
-``torch_ddp+hp+bf16``, ``bucketed_25+thread``, ``zero1+thread+hp+stages4``.
+in k stages (``exchange_stages``; the default, 1: step everything, then exchange); ``+ce`` (bucketed and
+zero1) averages the buckets by peer copies over symmetric memory (``allreduce="copy_engine"``). E.g.
+``bucketed_25+hp``, ``torch_ddp+hp+bf16``, ``bucketed_25+thread``, ``zero1+thread+hp+stages4``, ``bucketed_25+thread+ce``.
 
 Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
 instrumented steps (forward, backward, gradient sync left after backward, optimizer), with
@@ -65,6 +68,7 @@ GB = 1e9
 DEFAULT_VARIANTS = ["single", "torch_ddp", "torch_ddp_view", "naive", "naive_flat", "overlap", "bucketed_1",
                     "bucketed_10", "bucketed_25", "bucketed_100", "bucketed_1000", "zero1", "zero1_broadcast",
                     "torch_zero"]
+EXTRA_VARIANTS = ["no_comm"]
 MATRIX_STRATEGIES = ["single", "naive", "bucketed_25", "torch_ddp"]
 TIMELINE_COLUMNS = ["comm_ms", "comm_hidden_frac", "comm_exposed_ms", "gpu_idle_ms", "gpu_span_ms"]
 
@@ -90,12 +94,14 @@ class Variant:
     sm_carveout: int | None = None
     launch_thread: bool = False
     exchange_stages: int | None = None  # zero1's; None: ShardedOptimizer's default
+    copy_engine: bool = False  # bucketed / zero1 averaging by peer copies (allreduce="copy_engine")
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
         base, *options = name.split("+")
-        if base not in DEFAULT_VARIANTS and not (base.startswith("bucketed_") and _is_number(base[9:])):
-            raise ValueError(f"unknown variant {base!r}: choose from {', '.join(DEFAULT_VARIANTS)} or bucketed_<MB>")
+        if base not in DEFAULT_VARIANTS + EXTRA_VARIANTS and not (base.startswith("bucketed_") and _is_number(base[9:])):
+            raise ValueError(f"unknown variant {base!r}: choose from {', '.join(DEFAULT_VARIANTS + EXTRA_VARIANTS)} "
+                             "or bucketed_<MB>")
         fields: dict = {}
         for option in options:
             if option in ("hp", "normal"):
@@ -111,16 +117,20 @@ class Variant:
                 fields["launch_thread"] = True
             elif option.startswith("stages") and option[6:].isdigit() and int(option[6:]) >= 1:
                 fields["exchange_stages"] = int(option[6:])
+            elif option == "ce":
+                fields["copy_engine"] = True
             else:
                 raise ValueError(f"unknown option {option!r} in variant {name!r} "
-                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>)")
-        if options and base == "single":
-            raise ValueError("the single-GPU baseline takes no communication options")
+                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>, +ce)")
+        if options and base in ("single", "no_comm"):
+            raise ValueError(f"{base} communicates nothing: it takes no communication options")
         if fields.get("launch_thread") and not (base == "overlap" or base.startswith(("bucketed_", "zero1"))):
             raise ValueError(f"+thread needs a container that launches during backward (overlap, bucketed_<MB>, "
                              f"zero1), not {base!r}")
         if "exchange_stages" in fields and not base.startswith("zero1"):
             raise ValueError(f"+stages<k> sets zero1's exchange pipeline, not {base!r}'s")
+        if fields.get("copy_engine") and not base.startswith(("bucketed_", "zero1")):
+            raise ValueError(f"+ce averages DDPBucketed's buckets (bucketed_<MB>, zero1), not {base!r}'s")
         return cls(base, **fields)
 
     @property
@@ -154,7 +164,7 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
     adamw = dict(lr=lr, fused=device.type == "cuda")
     comm = dict(process_group=group, grad_comm_dtype=torch.bfloat16 if variant.bf16_comm else None)
     base = variant.base
-    if base == "single":
+    if base in ("single", "no_comm"):
         return Run(model, torch.optim.AdamW(model.parameters(), **adamw))
     if base in ("torch_ddp", "torch_ddp_view", "torch_zero"):
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -167,8 +177,9 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
             return Run(wrapped, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw))
         return Run(wrapped, torch.optim.AdamW(model.parameters(), **adamw))
     launching = dict(launch_thread=variant.launch_thread)
+    bucketing = dict(allreduce="copy_engine" if variant.copy_engine else "process_group", **comm, **launching)
     if base in ("zero1", "zero1_broadcast"):
-        container = DDPBucketed(model, bucket_size_mb=25, **comm, **launching)
+        container = DDPBucketed(model, bucket_size_mb=25, **bucketing)
         exchange = "broadcast" if base.endswith("broadcast") else "p2p"
         stages = {} if variant.exchange_stages is None else {"exchange_stages": variant.exchange_stages}
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, exchange=exchange, process_group=group,
@@ -180,7 +191,7 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
         "overlap": lambda: DDPIndividualParameters(model, **comm, **launching),
     }
     if base.startswith("bucketed_"):
-        container = DDPBucketed(model, bucket_size_mb=float(base.split("_", 1)[1]), **comm, **launching)
+        container = DDPBucketed(model, bucket_size_mb=float(base.split("_", 1)[1]), **bucketing)
     else:
         container = containers[base]()
     return Run(container, torch.optim.AdamW(model.parameters(), **adamw), container.finish_gradient_synchronization,
@@ -459,7 +470,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_setup_args(parser)
     parser.add_argument("--variants", type=variant_names, default=DEFAULT_VARIANTS,
                         help="comma-separated; bucketed_<MB> for any bucket size; options after '+': "
-                             "+hp, +normal, +ctas<k>, +bf16 (see above)")
+                             "+hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>, +ce (see above)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one extra step per visit: NCCL time, share hidden under compute, GPU idle")
     parser.add_argument("--matrix", action="store_true",

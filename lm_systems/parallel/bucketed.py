@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from lm_systems.parallel.collectives import PendingAverage
 from lm_systems.parallel.overlap import OverlappedDDP
+from lm_systems.parallel.peer_copy import CopyEngineAverager, PendingCopyAverage
 
 MiB = 1024 * 1024
+AllReduce = Literal["process_group", "copy_engine"]
+# (numel, dtype, device, largest slice) -> a zeroed flat buffer
+Allocate = Callable[[int, torch.dtype, torch.device, int], torch.Tensor]
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
@@ -55,15 +62,30 @@ class DDPBucketed(OverlappedDDP):
     thread between backward's kernel launches. Attaching at the first arrival, not at the forward, keeps
     this right when gradients are zeroed between forward and backward (as Lightning does). A gradient that
     arrives outside its view anyway is copied into it once.
+
+    ``allreduce`` picks how a bucket is averaged: ``"process_group"``, the group's all-reduce (NCCL, gloo);
+    or ``"copy_engine"`` (CUDA, every rank on one node): the flat buffers live in symmetric memory and
+    buckets are averaged by peer copies that the GPUs' copy engines carry, leaving the SMs to backward
+    (``peer_copy.py``; no ``grad_comm_dtype`` there).
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False) -> None:
+                 grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False,
+                 allreduce: AllReduce = "process_group") -> None:
+        if allreduce not in ("process_group", "copy_engine"):
+            raise ValueError(f"allreduce must be 'process_group' or 'copy_engine', got {allreduce!r}")
+        if allreduce == "copy_engine" and grad_comm_dtype is not None:
+            raise ValueError("allreduce='copy_engine' averages gradients in their own dtype: leave grad_comm_dtype None")
         params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(module, assign_buckets(list(reversed(params)), bucket_size_mb), process_group, grad_comm_dtype,
                          launch_thread)
         self.bucket_size_mb = bucket_size_mb
-        self._arenas, self._flat_buffers = _carve_buckets(self._units)
+        self.allreduce = allreduce
+        allocate: Allocate = _zeros
+        if allreduce == "copy_engine":
+            self._averager = CopyEngineAverager(process_group)
+            allocate = self._averager.allocate
+        self._arenas, self._flat_buffers = _carve_buckets(self._units, allocate)
         self._grad_views = [[chunk.view_as(p) for chunk, p in zip(buffer.split([p.numel() for p in bucket]), bucket)]
                             for buffer, bucket in zip(self._flat_buffers, self._units)]
         self._views = [view for views in self._grad_views for view in views]  # aligned with self._params
@@ -113,7 +135,7 @@ class DDPBucketed(OverlappedDDP):
         return [p.grad is not None and (p.grad is not view or had or got)
                 for p, view, had, got in zip(self._params, self._views, self._had_grad, self._got_grad)]
 
-    def _launch(self, unit: int) -> PendingAverage:
+    def _launch(self, unit: int) -> PendingAverage | PendingCopyAverage:
         return self._averager.start(self._flat_buffers[unit])
 
     def _prepare_late(self, unit: int) -> None:
@@ -132,13 +154,20 @@ class DDPBucketed(OverlappedDDP):
         self._had_grad = [False] * len(self._params)
 
 
-def _carve_buckets(buckets: list[list[nn.Parameter]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One zeroed flat buffer per (device, dtype), and each bucket's consecutive slice of its buffer."""
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device, largest_slice: int) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def _carve_buckets(buckets: list[list[nn.Parameter]], allocate: Allocate) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One zeroed flat buffer per (device, dtype), from ``allocate``, and each bucket's consecutive slice of it."""
     sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+    largest: dict[tuple[torch.device, torch.dtype], int] = {}
     for bucket in buckets:
         kind = (bucket[0].device, bucket[0].dtype)
-        sizes[kind] = sizes.get(kind, 0) + sum(p.numel() for p in bucket)
-    arenas = {kind: torch.zeros(n, dtype=kind[1], device=kind[0]) for kind, n in sizes.items()}
+        n = sum(p.numel() for p in bucket)
+        sizes[kind] = sizes.get(kind, 0) + n
+        largest[kind] = max(largest.get(kind, 0), n)
+    arenas = {kind: allocate(n, kind[1], kind[0], largest[kind]) for kind, n in sizes.items()}
     offsets = dict.fromkeys(sizes, 0)
     slices = []
     for bucket in buckets:

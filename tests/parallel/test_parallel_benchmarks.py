@@ -37,7 +37,8 @@ def test_ddp_bench_compares_variants_and_keeps_replicas_equal(tmp_path):
 def test_ddp_bench_names_a_bad_variant_or_option():
     for bad, said in (("bucketed_x", "unknown variant 'bucketed_x'"), ("torch_ddp+fast", "unknown option 'fast'"),
                       ("single+bf16", "takes no communication options"), ("torch_ddp+thread", "not 'torch_ddp'"),
-                      ("bucketed_25+stages2", "not 'bucketed_25'"), ("zero1+stages0", "unknown option 'stages0'")):
+                      ("bucketed_25+stages2", "not 'bucketed_25'"), ("zero1+stages0", "unknown option 'stages0'"),
+                      ("no_comm+hp", "takes no communication options"), ("torch_ddp+ce", "not 'torch_ddp'")):
         with pytest.raises(SystemExit):
             ddp.parse_args(["--device", "cpu", "--variants", bad])
         with pytest.raises(ValueError, match=said):
@@ -52,6 +53,8 @@ def test_variant_options_parse():
     assert ddp.Variant.parse("bucketed_25+thread").launch_thread
     assert ddp.Variant.parse("zero1+thread+stages1").exchange_stages == 1
     assert ddp.Variant.parse("zero1").exchange_stages is None
+    assert ddp.Variant.parse("bucketed_25+thread+ce").copy_engine and ddp.Variant.parse("zero1+ce").copy_engine
+    assert not ddp.Variant.parse("bucketed_25").copy_engine
 
 
 def test_paired_bench_alternates_variants_and_reports_ratios(tmp_path):
@@ -59,10 +62,11 @@ def test_paired_bench_alternates_variants_and_reports_ratios(tmp_path):
 
     rows = ddp_paired.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1",
                             "--device", "cpu", "--nproc", "2", "--warmup", "1", "--iterations", "3", "--steps-per-turn",
-                            "2", "--pairs", "single:bucketed_1,torch_ddp:bucketed_1+bf16,zero1:zero1+thread+stages4",
+                            "2", "--pairs", "single:bucketed_1,torch_ddp:bucketed_1+bf16,zero1:zero1+thread+stages4,"
+                            "single:no_comm",
                             "--out-dir", str(tmp_path)])
     assert [(r["A"], r["B"]) for r in rows] == [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+bf16"),
-                                                ("zero1", "zero1+thread+stages4")]
+                                                ("zero1", "zero1+thread+stages4"), ("single", "no_comm")]
     for row in rows:
         assert row["iterations"] == 3 and row["A_ms"] > 0 and row["B_ms"] > 0
         assert row["B_over_A_q1"] <= row["B_over_A"] <= row["B_over_A_q3"]

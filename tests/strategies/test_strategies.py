@@ -148,3 +148,17 @@ def test_bad_exchange_names_the_option():
 def test_bad_exchange_stages_names_the_option():
     with pytest.raises(ValueError, match="init_args.exchange_stages"):
         strategies.Zero1Strategy(exchange_stages=0)
+
+
+def test_bad_allreduce_names_the_option():
+    with pytest.raises(ValueError, match="init_args.allreduce"):
+        strategies.BucketedDDPStrategy(allreduce="nvlink")
+    with pytest.raises(ValueError, match="comm_max_ctas nor grad_comm_dtype"):
+        strategies.Zero1Strategy(allreduce="copy_engine", grad_comm_dtype="bf16")
+
+
+def test_copy_engine_allreduce_on_cpu_says_what_to_change(tmp_path):
+    trainer = make_trainer(strategies.BucketedDDPStrategy(allreduce="copy_engine", start_method="spawn"), 2,
+                           str(tmp_path), "copy_engine_cpu", enable_checkpointing=False)
+    with pytest.raises(Exception, match="allreduce='process_group'"):
+        trainer.fit(TinyLM(), datamodule=TinyData())
