@@ -8,7 +8,11 @@ and after it); bandwidths follow nccl-tests' convention:
     algorithm bandwidth = bytes / time
     bus bandwidth       = 2 (n - 1) / n · bytes / time   (what each link carries in a ring all-reduce)
 
-With NCCL, ``--ops sum,avg`` also compares ReduceOp.AVG (what the DDP containers use on NCCL) with SUM.
+With NCCL, ``--ops sum,avg`` also compares ReduceOp.AVG (what the DDP containers use on NCCL) with SUM,
+and ``copy_engine`` adds DDPBucketed's other way to average: peer copies over symmetric memory
+(lm_systems/parallel/peer_copy.py). ``--chunk-mb X`` all-reduces each tensor as consecutive chunks of at
+most X MB launched back to back, then waits for all, as a bucketed DDP does with its buckets: at 25 MB it
+shows what the per-collective cost does to the bandwidth a bucketed backward can get.
 """
 
 from __future__ import annotations
@@ -23,19 +27,32 @@ import torch.distributed as dist
 
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import RESULTS_DIR, write_results
+from lm_systems.parallel.peer_copy import CopyEngineAverager
 
 MB = 1_000_000
-OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "copy_engine": None}
 
 
-def time_all_reduce(tensor: torch.Tensor, op, warmup: int, iters: int) -> float:
-    """Median seconds of one all-reduce on this rank (ranks aligned by a barrier before each call)."""
+def time_all_reduce(tensor: torch.Tensor, op: str, chunk_numel: int, warmup: int, iters: int) -> float:
+    """Median seconds to all-reduce ``tensor`` in chunks of ``chunk_numel``, launched back to back, on this
+    rank (ranks aligned by a barrier before each call)."""
+    averager = None
+    if op == "copy_engine":
+        averager = CopyEngineAverager()
+        buffer = averager.allocate(tensor.numel(), tensor.dtype, tensor.device, min(chunk_numel, tensor.numel()))
+        tensor = buffer.copy_(tensor)
+    chunks = tensor.split(chunk_numel)
     times = []
     for i in range(warmup + iters):
         dist.barrier()
         synchronize(tensor.device)
         start = time.perf_counter()
-        dist.all_reduce(tensor, op=op)
+        if averager is None:
+            works = [dist.all_reduce(chunk, op=OPS[op], async_op=True) for chunk in chunks]
+        else:
+            works = [averager.start(chunk) for chunk in chunks]
+        for work in works:
+            work.wait()
         synchronize(tensor.device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -49,13 +66,16 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
             for size_mb in args.sizes_mb:
                 numel = int(size_mb * MB) // 4
                 tensor = torch.randn(numel, device=device)
-                local = torch.tensor([time_all_reduce(tensor, OPS[op_name], args.warmup, args.iters)], device=device)
+                chunk_numel = int(args.chunk_mb * MB) // 4 if args.chunk_mb else numel
+                seconds = time_all_reduce(tensor, op_name, chunk_numel, args.warmup, args.iters)
+                local = torch.tensor([seconds], device=device)
                 dist.all_reduce(local, op=dist.ReduceOp.MAX)  # the collective is as slow as its slowest rank
                 seconds = local.item()
                 nbytes = numel * 4
                 row = {
                     "backend": args.backend, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "nproc": args.nproc, "op": op_name, "size_mb": size_mb, "time_ms": seconds * 1e3,
+                    "nproc": args.nproc, "op": op_name, "size_mb": size_mb, "chunk_mb": args.chunk_mb or size_mb,
+                    "time_ms": seconds * 1e3,
                     "algbw_GBps": nbytes / seconds / 1e9,
                     "busbw_GBps": 2 * (args.nproc - 1) / args.nproc * nbytes / seconds / 1e9,
                 }
@@ -96,7 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes-mb", type=lambda s: [float(x) for x in s.split(",")], default=[1, 10, 100, 1000],
                         help="comma-separated tensor sizes in MB (10^6 bytes)")
     parser.add_argument("--ops", type=lambda s: s.split(","), default=None,
-                        help="comma-separated reduce ops among sum,avg (default: sum; sum,avg on NCCL)")
+                        help="comma-separated among sum, avg, copy_engine (NCCL only; the default: sum; sum,avg on NCCL)")
+    parser.add_argument("--chunk-mb", type=float, default=None,
+                        help="all-reduce each tensor as chunks of at most this many MB, launched back to back")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--timeout-s", type=int, default=300, help="process-group timeout")
@@ -111,8 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--nproc must be at least 2 for an all-reduce to communicate")
     args.ops = args.ops or (["sum", "avg"] if args.backend == "nccl" else ["sum"])
     unknown = set(args.ops) - set(OPS)
-    if unknown or (args.backend == "gloo" and "avg" in args.ops):
-        parser.error(f"--ops must be among {sorted(OPS)} (gloo has no avg), got {args.ops}")
+    if unknown or (args.backend == "gloo" and {"avg", "copy_engine"} & set(args.ops)):
+        parser.error(f"--ops must be among {sorted(OPS)} (gloo has neither avg nor copy_engine), got {args.ops}")
+    if args.chunk_mb is not None and args.chunk_mb <= 0:
+        parser.error(f"--chunk-mb must be positive, got {args.chunk_mb}")
     return args
 
 
@@ -127,7 +151,7 @@ def _write(rows: list[dict], args: argparse.Namespace) -> None:
         name, rows, title=f"All-reduce, {args.backend}, {args.nproc} processes, float32",
         notes="Median of the slowest rank over "
         f"{args.iters} calls after {args.warmup} warm-up calls; bus bandwidth = 2(n-1)/n · bytes / time.",
-        columns=["backend", "device", "nproc", "op", "size_mb", "time_ms", "algbw_GBps", "busbw_GBps"],
+        columns=["backend", "device", "nproc", "op", "size_mb", "chunk_mb", "time_ms", "algbw_GBps", "busbw_GBps"],
         plot=_plot(rows), out_dir=args.out_dir,
     )
 

@@ -18,6 +18,15 @@ def test_comm_bench_reports_bus_bandwidth(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {f"comm_gloo_2proc.{ext}" for ext in ("csv", "md", "png")}
 
 
+def test_comm_bench_all_reduces_in_chunks_and_names_bad_options(tmp_path):
+    rows = comm.main(["--backend", "gloo", "--nproc", "2", "--sizes-mb", "0.1", "--chunk-mb", "0.03", "--iters", "2",
+                      "--warmup", "1", "--out-dir", str(tmp_path)])
+    assert [(r["size_mb"], r["chunk_mb"]) for r in rows] == [(0.1, 0.03)] and rows[0]["time_ms"] > 0
+    for bad in (["--ops", "copy_engine"], ["--ops", "avg"], ["--chunk-mb", "0"]):
+        with pytest.raises(SystemExit):
+            comm.parse_args(["--backend", "gloo", *bad])
+
+
 def test_ddp_bench_compares_variants_and_keeps_replicas_equal(tmp_path):
     ddp.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device",
               "cpu", "--nproc", "2", "--steps", "1", "--warmup", "1", "--instrumented-steps", "1", "--rounds", "1",
