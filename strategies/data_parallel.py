@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP,
                                  gradient_process_group)
-from lm_systems.parallel.bucketed import AllReduce
+from lm_systems.parallel.bucketed import ALLREDUCE_CHOICES, AllReduce
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -188,8 +188,8 @@ class BucketedDDPStrategy(OverlappedDDPStrategy):
     def __init__(self, bucket_size_mb: float = 25.0, allreduce: AllReduce = "process_group", **kwargs: Any) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb} (strategy init_args.bucket_size_mb)")
-        if allreduce not in ("process_group", "copy_engine"):
-            raise ValueError(f"allreduce must be 'process_group' or 'copy_engine', got {allreduce!r} "
+        if allreduce not in ALLREDUCE_CHOICES:
+            raise ValueError(f"allreduce must be one of {ALLREDUCE_CHOICES}, got {allreduce!r} "
                              "(strategy init_args.allreduce)")
         if allreduce == "copy_engine" and (kwargs.get("comm_max_ctas") or kwargs.get("grad_comm_dtype")):
             raise ValueError("allreduce='copy_engine' takes neither comm_max_ctas nor grad_comm_dtype: its copies use "

@@ -30,14 +30,16 @@ from lm_systems.bench.report import RESULTS_DIR, write_results
 from lm_systems.parallel.peer_copy import CopyEngineAverager
 
 MB = 1_000_000
-OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "copy_engine": None}
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+COPY_ENGINE = "copy_engine"  # DDPBucketed's peer-copy average (mean), beside NCCL's reduce ops
+OPS = [*REDUCE_OPS, COPY_ENGINE]
 
 
 def time_all_reduce(tensor: torch.Tensor, op: str, chunk_numel: int, warmup: int, iters: int) -> float:
     """Median seconds to all-reduce ``tensor`` in chunks of ``chunk_numel``, launched back to back, on this
     rank (ranks aligned by a barrier before each call)."""
     averager = None
-    if op == "copy_engine":
+    if op == COPY_ENGINE:
         averager = CopyEngineAverager()
         buffer = averager.allocate(tensor.numel(), tensor.dtype, tensor.device, min(chunk_numel, tensor.numel()))
         tensor = buffer.copy_(tensor)
@@ -48,7 +50,7 @@ def time_all_reduce(tensor: torch.Tensor, op: str, chunk_numel: int, warmup: int
         synchronize(tensor.device)
         start = time.perf_counter()
         if averager is None:
-            works = [dist.all_reduce(chunk, op=OPS[op], async_op=True) for chunk in chunks]
+            works = [dist.all_reduce(chunk, op=REDUCE_OPS[op], async_op=True) for chunk in chunks]
         else:
             works = [averager.start(chunk) for chunk in chunks]
         for work in works:
@@ -133,8 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--nproc must be at least 2 for an all-reduce to communicate")
     args.ops = args.ops or (["sum", "avg"] if args.backend == "nccl" else ["sum"])
     unknown = set(args.ops) - set(OPS)
-    if unknown or (args.backend == "gloo" and {"avg", "copy_engine"} & set(args.ops)):
-        parser.error(f"--ops must be among {sorted(OPS)} (gloo has neither avg nor copy_engine), got {args.ops}")
+    if unknown or (args.backend == "gloo" and {"avg", COPY_ENGINE} & set(args.ops)):
+        parser.error(f"--ops must be among {OPS} (gloo has neither avg nor copy_engine), got {args.ops}")
     if args.chunk_mb is not None and args.chunk_mb <= 0:
         parser.error(f"--chunk-mb must be positive, got {args.chunk_mb}")
     return args

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from lm_systems.parallel.peer_copy import CopyEngineAverager, PendingCopyAverage
 
 MiB = 1024 * 1024
 AllReduce = Literal["process_group", "copy_engine"]
+ALLREDUCE_CHOICES: tuple[str, ...] = get_args(AllReduce)
 # (numel, dtype, device, largest slice) -> a zeroed flat buffer
 Allocate = Callable[[int, torch.dtype, torch.device, int], torch.Tensor]
 
@@ -72,8 +73,8 @@ class DDPBucketed(OverlappedDDP):
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
                  grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False,
                  allreduce: AllReduce = "process_group") -> None:
-        if allreduce not in ("process_group", "copy_engine"):
-            raise ValueError(f"allreduce must be 'process_group' or 'copy_engine', got {allreduce!r}")
+        if allreduce not in ALLREDUCE_CHOICES:
+            raise ValueError(f"allreduce must be one of {ALLREDUCE_CHOICES}, got {allreduce!r}")
         if allreduce == "copy_engine" and grad_comm_dtype is not None:
             raise ValueError("allreduce='copy_engine' averages gradients in their own dtype: leave grad_comm_dtype None")
         params = [p for p in module.parameters() if p.requires_grad]

@@ -125,36 +125,18 @@ def test_spawn_variant_through_lightnings_launcher(out_dir, reference):
         assert_state_close(result["final"], reference["final"])
 
 
-def test_bad_bucket_size_names_the_option():
-    with pytest.raises(ValueError, match="bucket_size_mb"):
-        strategies.BucketedDDPStrategy(bucket_size_mb=0)
-
-
-def test_bad_gradient_communication_dtype_names_the_option():
-    with pytest.raises(ValueError, match="grad_comm_dtype"):
-        strategies.BucketedDDPStrategy(grad_comm_dtype="int8")
-
-
-def test_bad_comm_max_ctas_names_the_option():
-    with pytest.raises(ValueError, match="comm_max_ctas"):
-        strategies.BucketedDDPStrategy(comm_max_ctas=0)
-
-
-def test_bad_exchange_names_the_option():
-    with pytest.raises(ValueError, match="init_args.exchange"):
-        strategies.Zero1Strategy(exchange="allgather")
-
-
-def test_bad_exchange_stages_names_the_option():
-    with pytest.raises(ValueError, match="init_args.exchange_stages"):
-        strategies.Zero1Strategy(exchange_stages=0)
-
-
-def test_bad_allreduce_names_the_option():
-    with pytest.raises(ValueError, match="init_args.allreduce"):
-        strategies.BucketedDDPStrategy(allreduce="nvlink")
-    with pytest.raises(ValueError, match="comm_max_ctas nor grad_comm_dtype"):
-        strategies.Zero1Strategy(allreduce="copy_engine", grad_comm_dtype="bf16")
+@pytest.mark.parametrize("strategy, options, said", [
+    ("BucketedDDPStrategy", {"bucket_size_mb": 0}, "bucket_size_mb"),
+    ("BucketedDDPStrategy", {"grad_comm_dtype": "int8"}, "grad_comm_dtype"),
+    ("BucketedDDPStrategy", {"comm_max_ctas": 0}, "comm_max_ctas"),
+    ("Zero1Strategy", {"exchange": "allgather"}, "init_args.exchange"),
+    ("Zero1Strategy", {"exchange_stages": 0}, "init_args.exchange_stages"),
+    ("BucketedDDPStrategy", {"allreduce": "nvlink"}, "init_args.allreduce"),
+    ("Zero1Strategy", {"allreduce": "copy_engine", "grad_comm_dtype": "bf16"}, "comm_max_ctas nor grad_comm_dtype"),
+])
+def test_bad_option_names_the_option(strategy, options, said):
+    with pytest.raises(ValueError, match=said):
+        getattr(strategies, strategy)(**options)
 
 
 def test_copy_engine_allreduce_on_cpu_says_what_to_change(tmp_path):
