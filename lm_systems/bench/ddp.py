@@ -23,7 +23,10 @@ matmuls through cuBLASLt told to leave k SMs free (torch's experimental SM carve
 all-reduces; ``+thread`` (ours only) launches the all-reduces from a thread of their own instead of
 autograd's (``launch_thread``); ``+stages<k>`` (zero1 only) pipelines its step and parameter exchange
 in k stages (``exchange_stages``; the default, 1: step everything, then exchange); ``+ce`` (bucketed and
-zero1) averages the buckets by peer copies over symmetric memory (``allreduce="copy_engine"``). E.g.
+zero1) averages the buckets by peer copies over symmetric memory (``allreduce="copy_engine"``); ``+local``
+(torch_ddp, bucketed_<MB>; a diagnostic, its replicas differ) runs the container with its gradient
+collectives left out (hooks, bucket views and launches run, nothing is sent), pricing the container's own
+work apart from communication. E.g.
 ``bucketed_25+hp``, ``torch_ddp+hp+bf16``, ``bucketed_25+thread``, ``zero1+thread+hp+stages4``, ``bucketed_25+thread+ce``.
 
 Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
@@ -95,6 +98,7 @@ class Variant:
     launch_thread: bool = False
     exchange_stages: int | None = None  # zero1's; None: ShardedOptimizer's default
     copy_engine: bool = False  # bucketed / zero1 averaging by peer copies (allreduce="copy_engine")
+    local: bool = False  # diagnostic: the container without its gradient collectives
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -119,9 +123,11 @@ class Variant:
                 fields["exchange_stages"] = int(option[6:])
             elif option == "ce":
                 fields["copy_engine"] = True
+            elif option == "local":
+                fields["local"] = True
             else:
                 raise ValueError(f"unknown option {option!r} in variant {name!r} "
-                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>, +ce)")
+                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>, +ce, +local)")
         if options and base in ("single", "no_comm"):
             raise ValueError(f"{base} communicates nothing: it takes no communication options")
         if fields.get("launch_thread") and not (base == "overlap" or base.startswith(("bucketed_", "zero1"))):
@@ -131,6 +137,10 @@ class Variant:
             raise ValueError(f"+stages<k> sets zero1's exchange pipeline, not {base!r}'s")
         if fields.get("copy_engine") and not base.startswith(("bucketed_", "zero1")):
             raise ValueError(f"+ce averages DDPBucketed's buckets (bucketed_<MB>, zero1), not {base!r}'s")
+        if fields.get("local") and not (base == "torch_ddp" or base.startswith("bucketed_")):
+            raise ValueError(f"+local applies to torch_ddp and bucketed_<MB>, not {base!r}")
+        if fields.get("local") and any(fields.get(k) for k in ("copy_engine", "bf16_comm", "high_priority", "max_ctas")):
+            raise ValueError("+local sends nothing: it takes no communication option (+ce, +bf16, +hp, +ctas<k>)")
         return cls(base, **fields)
 
     @property
@@ -173,6 +183,8 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
             wrapped.register_comm_hook(group, bf16_compress_hook)
+        if variant.local:
+            wrapped.register_comm_hook(None, _no_communication_hook)
         if base == "torch_zero":
             return Run(wrapped, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw))
         return Run(wrapped, torch.optim.AdamW(model.parameters(), **adamw))
@@ -194,8 +206,31 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
         container = DDPBucketed(model, bucket_size_mb=float(base.split("_", 1)[1]), **bucketing)
     else:
         container = containers[base]()
+    if variant.local:
+        container._averager = _SendNothing()  # after construction: the start-up broadcast still ran
     return Run(container, torch.optim.AdamW(model.parameters(), **adamw), container.finish_gradient_synchronization,
                [container.remove_hooks])
+
+
+class _Sent:
+    """A collective that was never launched: nothing to wait for."""
+
+    def wait(self) -> None:
+        pass
+
+
+class _SendNothing:
+    """``+local``'s stand-in for a container's GradientAverager: launches no collective."""
+
+    def start(self, tensor: torch.Tensor) -> _Sent:
+        return _Sent()
+
+
+def _no_communication_hook(state, bucket):  # unannotated: DDP compares annotations with the real types
+    """``+local``'s torch DDP comm hook: the bucket (a ``dist.GradBucket``) as it is, no all-reduce."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -223,17 +258,24 @@ def sm_carveout(sms: int | None) -> Iterator[None]:
 
 def make_step(run: Run, variant: Variant, args: argparse.Namespace,
               device: torch.device) -> Callable[..., None]:
-    """One training step of ``run``: ``step(batch, phases=None)``; with ``phases`` (a dict of lists) the
-    device is synchronised between forward, backward, gradient sync and optimizer and each is timed."""
+    """One training step of ``run``: ``step(batch, phases=None, host_marks=None)``; with ``phases`` (a dict
+    of lists) the device is synchronised between forward, backward, gradient sync and optimizer and each
+    is timed; ``host_marks`` (a list) gets the host's clock at the start and after forward, backward,
+    the gradient sync and the optimizer return, with no synchronisation."""
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
 
-    def step(batch: torch.Tensor, phases: dict[str, list[float]] | None = None) -> None:
+    def step(batch: torch.Tensor, phases: dict[str, list[float]] | None = None,
+             host_marks: list[float] | None = None) -> None:
         marks = [time.perf_counter()]
+        if host_marks is not None:
+            host_marks.append(marks[0])
 
         def mark() -> None:
             if phases is not None:
                 synchronize(device)
                 marks.append(time.perf_counter())
+            if host_marks is not None:
+                host_marks.append(time.perf_counter())
 
         run.optimizer.zero_grad(set_to_none=True)
         with autocast:

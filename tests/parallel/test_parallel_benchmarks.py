@@ -43,11 +43,22 @@ def test_ddp_bench_compares_variants_and_keeps_replicas_equal(tmp_path):
     assert (tmp_path / "ddp_tiny_2cpu.png").exists() and (tmp_path / "ddp_tiny_2cpu_rounds.csv").exists()
 
 
+def test_local_variants_run_the_containers_but_send_no_gradient(tmp_path):
+    # Ranks train on different data: with nothing sent, their replicas drift apart after one step.
+    ddp.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device",
+              "cpu", "--nproc", "2", "--steps", "1", "--warmup", "1", "--instrumented-steps", "0", "--rounds", "1",
+              "--variants", "torch_ddp+local,bucketed_1+thread+local,bucketed_1+thread", "--out-dir", str(tmp_path)])
+    with open(tmp_path / "ddp_tiny_2cpu.csv") as f:
+        equal = {row["variant"]: row["replicas_equal"] for row in csv.DictReader(f)}
+    assert equal == {"torch_ddp+local": "False", "bucketed_1+thread+local": "False", "bucketed_1+thread": "True"}
+
+
 def test_ddp_bench_names_a_bad_variant_or_option():
     for bad, said in (("bucketed_x", "unknown variant 'bucketed_x'"), ("torch_ddp+fast", "unknown option 'fast'"),
                       ("single+bf16", "takes no communication options"), ("torch_ddp+thread", "not 'torch_ddp'"),
                       ("bucketed_25+stages2", "not 'bucketed_25'"), ("zero1+stages0", "unknown option 'stages0'"),
-                      ("no_comm+hp", "takes no communication options"), ("torch_ddp+ce", "not 'torch_ddp'")):
+                      ("no_comm+hp", "takes no communication options"), ("torch_ddp+ce", "not 'torch_ddp'"),
+                      ("zero1+local", "not 'zero1'"), ("bucketed_25+local+bf16", "sends nothing")):
         with pytest.raises(SystemExit):
             ddp.parse_args(["--device", "cpu", "--variants", bad])
         with pytest.raises(ValueError, match=said):
@@ -64,6 +75,7 @@ def test_variant_options_parse():
     assert ddp.Variant.parse("zero1").exchange_stages is None
     assert ddp.Variant.parse("bucketed_25+thread+ce").copy_engine and ddp.Variant.parse("zero1+ce").copy_engine
     assert not ddp.Variant.parse("bucketed_25").copy_engine
+    assert ddp.Variant.parse("bucketed_25+thread+local").local and ddp.Variant.parse("torch_ddp+local").local
 
 
 def test_paired_bench_alternates_variants_and_reports_ratios(tmp_path):
