@@ -493,6 +493,15 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
 
 
+def rank_config_and_batch(args: argparse.Namespace, rank: int, device: torch.device) -> tuple[ModelConfig, torch.Tensor]:
+    """The model config the setup flags describe, and this rank's own batch of random tokens (B, T + 1)."""
+    config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=args.attention,
+                                   vocab_size=args.vocab_size)
+    g = torch.Generator(device=device).manual_seed(1000 + rank)
+    batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
+    return config, batch
+
+
 def check_setup_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Resolve ``--device auto`` and the default ``--nproc``; refuse what cannot run."""
     if args.device == "auto":

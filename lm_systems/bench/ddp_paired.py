@@ -23,10 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import Variant, add_setup_args, build, check_setup_args, make_step, run_label
+from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, rank_config_and_batch,
+                                  run_label)
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
-from lm_systems.config import ModelConfig
 from lm_systems.parallel import gradient_process_group
 
 DEFAULT_PAIRS = ["single:torch_ddp", "single:bucketed_25", "torch_ddp:bucketed_25", "torch_ddp:bucketed_100",
@@ -37,10 +37,7 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
               groups: dict) -> tuple[list[float], list[float]]:
     """Alternating step times (seconds, slowest rank) of the two variants, on every rank."""
     rank = dist.get_rank()
-    config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=args.attention,
-                                   vocab_size=args.vocab_size)
-    g = torch.Generator(device=device).manual_seed(1000 + rank)
-    batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
+    config, batch = rank_config_and_batch(args, rank, device)
     steps = []
     for name in names:
         variant = Variant.parse(name)

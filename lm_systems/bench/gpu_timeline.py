@@ -74,13 +74,17 @@ def profile_kernels(fn: Callable[[], None]) -> dict[str, float]:
     with torch.profiler.profile(activities=activities) as prof:
         fn()
         torch.cuda.synchronize()
+    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace_events(prof) if e.get("cat") == "kernel"]
+    return summarize_kernels(kernels)
+
+
+def trace_events(prof: torch.profiler.profile) -> list[dict]:
+    """The Chrome-trace events of a finished profiler run."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
+            return json.load(f)["traceEvents"]
     finally:
         os.remove(path)
-    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "kernel"]
-    return summarize_kernels(kernels)

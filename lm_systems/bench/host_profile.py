@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import tempfile
 from collections import Counter, defaultdict
 
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, run_label,
-                                  variant_names)
+from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, rank_config_and_batch,
+                                  run_label, variant_names)
+from lm_systems.bench.gpu_timeline import trace_events
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
-from lm_systems.config import ModelConfig
 
 DEFAULT_VARIANTS = ["single", "bucketed_25+thread", "bucketed_1000+thread", "torch_ddp"]
 CATEGORIES = ("cuda_runtime", "cuda_driver", "cpu_op", "user_annotation")
@@ -62,22 +59,12 @@ def profile_step(step, batch: torch.Tensor, device: torch.device) -> list[dict]:
     with torch.profiler.profile(activities=activities) as prof:
         step(batch)
         synchronize(device)
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return json.load(f)["traceEvents"]
-    finally:
-        os.remove(path)
+    return trace_events(prof)
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     device = init_rank(rank, args.nproc, port, "nccl" if args.device == "cuda" else "gloo", args.timeout_s)
-    config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=args.attention,
-                                   vocab_size=args.vocab_size)
-    g = torch.Generator(device=device).manual_seed(1000 + rank)
-    batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
+    config, batch = rank_config_and_batch(args, rank, device)
     try:
         for name in args.variants:
             variant = Variant.parse(name)

@@ -26,19 +26,17 @@ import argparse
 import gc
 import gzip
 import json
-import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import Variant, add_setup_args, build, check_setup_args, make_step, run_label, variant_names
-from lm_systems.bench.gpu_timeline import intersection, total, union
+from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, rank_config_and_batch,
+                                  run_label, variant_names)
+from lm_systems.bench.gpu_timeline import intersection, total, trace_events, union
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
-from lm_systems.config import ModelConfig
 
 DEFAULT_VARIANTS = ["single", "no_comm", "bucketed_25+thread", "bucketed_1000+thread", "torch_ddp"]
 GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "xmma")
@@ -143,22 +141,12 @@ def profile_turn(step, batch: torch.Tensor, steps: int, device: torch.device, ac
                 host[phase].append(b - a)
             host["step"].append(marks[-1] - marks[0])
         synchronize(device)
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return json.load(f)["traceEvents"], host
-    finally:
-        os.remove(path)
+    return trace_events(prof), host
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     device = init_rank(rank, args.nproc, port, "nccl", args.timeout_s)
-    config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=args.attention,
-                                   vocab_size=args.vocab_size)
-    g = torch.Generator(device=device).manual_seed(1000 + rank)
-    batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
+    config, batch = rank_config_and_batch(args, rank, device)
     try:
         for name in args.variants:
             variant = Variant.parse(name)
