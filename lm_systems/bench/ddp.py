@@ -25,8 +25,9 @@ autograd's (``launch_thread``); ``+stages<k>`` (zero1 only) pipelines its step a
 in k stages (``exchange_stages``; the default, 1: step everything, then exchange); ``+ce`` (bucketed and
 zero1) averages the buckets by peer copies over symmetric memory (``allreduce="copy_engine"``); ``+local``
 (torch_ddp, bucketed_<MB>; a diagnostic, its replicas differ) runs the container with its gradient
-collectives left out (hooks, bucket views and launches run, nothing is sent), pricing the container's own
-work apart from communication. E.g.
+collectives left out (hooks, bucket views and launches run, no gradient is sent; bucketed's one small
+all-reduce of which parameters hold gradients still runs), pricing the container's own work apart from
+communication. E.g.
 ``bucketed_25+hp``, ``torch_ddp+hp+bf16``, ``bucketed_25+thread``, ``zero1+thread+hp+stages4``, ``bucketed_25+thread+ce``.
 
 Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
@@ -294,6 +295,34 @@ def make_step(run: Run, variant: Variant, args: argparse.Namespace,
                 phases[name].append(b - a)
 
     return step
+
+
+def for_each_warmed_variant(args: argparse.Namespace, rank: int, device: torch.device, config: ModelConfig,
+                            batch: torch.Tensor, visit: Callable[[str, Callable[..., None] | None], None]) -> None:
+    """For each of ``args.variants`` in turn: build it on this rank (``single`` on rank 0 alone), run
+    ``args.warmup`` steps on ``batch``, call ``visit(name, step)`` (``step`` None where the variant does not
+    run), then free it before the next is built."""
+    for name in args.variants:
+        variant = Variant.parse(name)
+        here = variant.base != "single" or rank == 0
+        run = build(variant, config, device, None) if here else None
+        step = make_step(run, variant, args, device) if here else None
+        for _ in range(args.warmup if here else 0):
+            step(batch)
+        visit(name, step)
+        runs, step, run = [run], None, None
+        release(runs, device)
+
+
+def release(runs: list[Run | None], device: torch.device) -> None:
+    """Detach the runs' containers (their cleanups) and give their memory back; the caller drops its references."""
+    for run in runs:
+        for cleanup in run.cleanup if run is not None else []:
+            cleanup()
+    runs.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def measure(run: Run, variant: Variant, batches: list[torch.Tensor], args: argparse.Namespace,

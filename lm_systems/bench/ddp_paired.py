@@ -16,7 +16,6 @@ Pairs take bench.ddp's variant names and options (``torch_ddp:bucketed_25+ctas16
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, rank_config_and_batch,
-                                  run_label)
+                                  release, run_label)
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
 from lm_systems.parallel import gradient_process_group
@@ -61,13 +60,9 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= args.warmup:
                 times[which].append(elapsed.item())
-    for _, run in steps:
-        for cleanup in run.cleanup if run is not None else []:
-            cleanup()
+    runs = [run for _, run in steps]
     steps = run = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release(runs, device)
     return times
 
 

@@ -13,13 +13,12 @@ parent includes its children), so their totals overcount. Variants are bench.ddp
 from __future__ import annotations
 
 import argparse
-import gc
 from collections import Counter, defaultdict
 
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, rank_config_and_batch,
+from lm_systems.bench.ddp import (add_setup_args, check_setup_args, for_each_warmed_variant, rank_config_and_batch,
                                   run_label, variant_names)
 from lm_systems.bench.gpu_timeline import trace_events
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
@@ -65,27 +64,18 @@ def profile_step(step, batch: torch.Tensor, device: torch.device) -> list[dict]:
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     device = init_rank(rank, args.nproc, port, "nccl" if args.device == "cuda" else "gloo", args.timeout_s)
     config, batch = rank_config_and_batch(args, rank, device)
+
+    def visit(name: str, step) -> None:
+        synchronize(device)
+        dist.barrier()
+        events = profile_step(step, batch, device) if step is not None else []
+        if rank == 0:
+            for row in summarize_host(events, name):
+                queue.put(row)
+        dist.barrier()
+
     try:
-        for name in args.variants:
-            variant = Variant.parse(name)
-            here = variant.base != "single" or rank == 0
-            run = build(variant, config, device, None) if here else None
-            step = make_step(run, variant, args, device) if here else None
-            for _ in range(args.warmup if here else 0):
-                step(batch)
-            synchronize(device)
-            dist.barrier()
-            events = profile_step(step, batch, device) if here else []
-            if rank == 0:
-                for row in summarize_host(events, name):
-                    queue.put(row)
-            dist.barrier()
-            for cleanup in run.cleanup if run is not None else []:
-                cleanup()
-            run = step = events = None
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for_each_warmed_variant(args, rank, device, config, batch, visit)
     finally:
         dist.destroy_process_group()
 

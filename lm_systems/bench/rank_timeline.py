@@ -23,7 +23,6 @@ One profiled turn per variant per ``--turns``; a reading, not a benchmark of spe
 from __future__ import annotations
 
 import argparse
-import gc
 import gzip
 import json
 import statistics
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, rank_config_and_batch,
+from lm_systems.bench.ddp import (add_setup_args, check_setup_args, for_each_warmed_variant, rank_config_and_batch,
                                   run_label, variant_names)
 from lm_systems.bench.gpu_timeline import intersection, total, trace_events, union
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
@@ -109,8 +108,7 @@ def summarize_rank(events: list[Event]) -> dict[str, float]:
 def turn_rows(variant: str, turn: int, per_rank: list[dict], steps: int) -> list[dict]:
     """One row per rank from every rank's aligned events and host step times."""
     stats = [None] * len(per_rank)
-    active = [r for r in per_rank if r["events"]]
-    if len(active) == len(per_rank) and any(collectives(r["events"]) for r in per_rank):
+    if all(r["events"] for r in per_rank) and any(collectives(r["events"]) for r in per_rank):
         stats = pair_collectives([collectives(r["events"]) for r in per_rank])
     rows = []
     for rank, (record, stat) in enumerate(zip(per_rank, stats)):
@@ -128,13 +126,13 @@ def turn_rows(variant: str, turn: int, per_rank: list[dict], steps: int) -> list
     return rows
 
 
-def profile_turn(step, batch: torch.Tensor, steps: int, device: torch.device, active: bool) -> tuple[list[dict], dict]:
-    """Profile one turn on this rank: an aligning all-reduce, then ``steps`` steps (if ``active``)."""
+def profile_turn(step, batch: torch.Tensor, steps: int, device: torch.device) -> tuple[list[dict], dict]:
+    """Profile one turn on this rank: an aligning all-reduce, then ``steps`` steps (none where ``step`` is None)."""
     host: dict[str, list[float]] = {"forward": [], "backward": [], "sync": [], "step": []}
     anchor = torch.ones(1, device=device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         dist.all_reduce(anchor)
-        for _ in range(steps if active else 0):
+        for _ in range(steps if step is not None else 0):
             marks: list[float] = []
             step(batch, host_marks=marks)
             for phase, (a, b) in zip(("forward", "backward", "sync"), zip(marks, marks[1:])):
@@ -147,36 +145,28 @@ def profile_turn(step, batch: torch.Tensor, steps: int, device: torch.device, ac
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     device = init_rank(rank, args.nproc, port, "nccl", args.timeout_s)
     config, batch = rank_config_and_batch(args, rank, device)
+
+    def visit(name: str, step) -> None:
+        for turn in range(args.turns):
+            synchronize(device)
+            dist.barrier()
+            trace, host = profile_turn(step, batch, args.steps_per_turn, device)
+            record = {"events": align(read_events(trace)), "host": host}
+            if args.save_traces is not None:
+                args.save_traces.mkdir(parents=True, exist_ok=True)
+                with gzip.open(args.save_traces / f"{name.replace('+', '-')}_turn{turn}_rank{rank}.json.gz", "wt") as f:
+                    json.dump(record, f)
+            if step is None:
+                record["events"] = []  # the idle rank's anchor only: nothing to report
+            gathered = [None] * args.nproc
+            dist.all_gather_object(gathered, record)
+            if rank == 0:
+                for row in turn_rows(name, turn, gathered, args.steps_per_turn):
+                    queue.put(row)
+                    print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
     try:
-        for name in args.variants:
-            variant = Variant.parse(name)
-            here = variant.base != "single" or rank == 0
-            run = build(variant, config, device, None) if here else None
-            step = make_step(run, variant, args, device) if here else None
-            for _ in range(args.warmup if here else 0):
-                step(batch)
-            for turn in range(args.turns):
-                synchronize(device)
-                dist.barrier()
-                trace, host = profile_turn(step, batch, args.steps_per_turn, device, here)
-                record = {"events": align(read_events(trace)), "host": host}
-                if args.save_traces is not None:
-                    args.save_traces.mkdir(parents=True, exist_ok=True)
-                    with gzip.open(args.save_traces / f"{name.replace('+', '-')}_turn{turn}_rank{rank}.json.gz", "wt") as f:
-                        json.dump(record, f)
-                if not here:
-                    record["events"] = []  # the idle rank's anchor only: nothing to report
-                gathered = [None] * args.nproc
-                dist.all_gather_object(gathered, record)
-                if rank == 0:
-                    for row in turn_rows(name, turn, gathered, args.steps_per_turn):
-                        queue.put(row)
-                        print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-            for cleanup in run.cleanup if run is not None else []:
-                cleanup()
-            run = step = None
-            gc.collect()
-            torch.cuda.empty_cache()
+        for_each_warmed_variant(args, rank, device, config, batch, visit)
     finally:
         dist.destroy_process_group()
 
