@@ -37,7 +37,8 @@ class LitLM(L.LightningModule):
         decay_steps: step at which the cosine reaches its floor; None means trainer.max_steps.
         weight_decay: AdamW weight decay on matrices (never on norms or embeddings).
         betas: AdamW betas.
-        compile: torch.compile the model in place.
+        compile: torch.compile each Transformer block in place (data-parallel strategies keep overlapping
+            the gradient all-reduces with backward, which a whole compiled model would not let them).
         sample_prompt: prompt of the sample printed after training ('' skips it).
         sample_tokens: length of that sample.
     """
@@ -111,7 +112,7 @@ class LitLM(L.LightningModule):
             tokens = datamodule.batch_size * data_context
             self.flops_per_batch = self.model.flops_per_token(data_context) * tokens
         if self.hparams.compile and not self._compiled:  # setup runs once per stage (fit, validate, …)
-            self.model.compile()
+            self.model.compile_blocks()
             self._compiled = True
         rank_zero_info(
             f"TransformerLM {self.hparams.size}: {self.model.num_parameters() / 1e6:.2f}M parameters, "

@@ -92,7 +92,7 @@ def test_bad_model_arguments_fail_at_construction(kwargs, key):
 
 def test_compile_happens_once_across_stages(cache_dir, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr("lm_systems.model.TransformerLM.compile", lambda self, *a, **k: calls.append(self))
+    monkeypatch.setattr("lm_systems.model.TransformerLM.compile_blocks", lambda self, *a, **k: calls.append(self))
     model, data = LitLM(**SMALL_MODEL, compile=True), datamodule(cache_dir)
     t = trainer(tmp_path, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0)
     t.fit(model, datamodule=data)

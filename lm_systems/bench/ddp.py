@@ -168,10 +168,12 @@ def _is_number(text: str) -> bool:
 
 
 def build(variant: Variant, config: ModelConfig, device: torch.device, group: dist.ProcessGroup | None,
-          lr: float = 1e-4) -> Run:
+          lr: float = 1e-4, compile_blocks: bool = False) -> Run:
     torch.manual_seed(0)
     with device:
         model = TransformerLM(config)
+    if compile_blocks:
+        model.compile_blocks()
     adamw = dict(lr=lr, fused=device.type == "cuda")
     comm = dict(process_group=group, grad_comm_dtype=torch.bfloat16 if variant.bf16_comm else None)
     base = variant.base
@@ -305,7 +307,7 @@ def for_each_warmed_variant(args: argparse.Namespace, rank: int, device: torch.d
     for name in args.variants:
         variant = Variant.parse(name)
         here = variant.base != "single" or rank == 0
-        run = build(variant, config, device, None) if here else None
+        run = build(variant, config, device, None, compile_blocks=args.compile) if here else None
         step = make_step(run, variant, args, device) if here else None
         for _ in range(args.warmup if here else 0):
             step(batch)
@@ -377,7 +379,7 @@ def visit(name: str, attention: str, args: argparse.Namespace, device: torch.dev
             torch.cuda.reset_peak_memory_stats(device)
             held_before = torch.cuda.memory_allocated(device)
         try:
-            run = build(variant, config, device, group)
+            run = build(variant, config, device, group, compile_blocks=args.compile)
             g = torch.Generator(device=device).manual_seed(1000 + rank)
             batches = [torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1),
                                      device=device, generator=g) for _ in range(2)]
@@ -518,6 +520,8 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None, help="processes, one per GPU (default: all GPUs, or 2 on CPU)")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--attention", default="sdpa", help="the model's attention (the variant table's, for bench.ddp)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each Transformer block of every variant's model (compiling happens in warm-up)")
     parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
 
@@ -577,16 +581,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return spawn_ranks(_worker, args, args.nproc, lambda rows: write_tables(rows, args))
 
 
+def setup_description(args: argparse.Namespace) -> str:
+    """What the setup flags ran, for a results file's notes: ``xl, batch 4/rank, context 512, ...``."""
+    compiled = ", every Transformer block torch.compiled" if args.compile else ""
+    return (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
+            f"{args.attention} attention{compiled}")
+
+
 def run_label(args: argparse.Namespace) -> str:
-    """``<size>_<nproc><gpu|cpu>``: the part of a results file name that says what ran where."""
-    return f"{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}"
+    """``<size>_<nproc><gpu|cpu>[_compiled]``: the part of a results file name that says what ran where."""
+    compiled = "_compiled" if args.compile else ""
+    return f"{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}{compiled}"
 
 
 def write_tables(rows: list[dict], args: argparse.Namespace) -> None:
     """The summary (+ per-round rows and plot) of the variant table, and the attention matrix."""
     stem = f"ddp_{run_label(args)}"
-    setup = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
-             f"{'fused ' if args.device == 'cuda' else ''}AdamW, {args.nproc} processes")
+    setup = f"{setup_description(args)}, {'fused ' if args.device == 'cuda' else ''}AdamW, {args.nproc} processes"
     method = ("Plain PyTorch loop, processes started by torch.multiprocessing.spawn (no torchrun, no Trainer); "
               f"variants interleaved over {args.rounds} rounds, a fresh model per visit; {args.warmup} warm-up, "
               f"{args.steps} timed steps (median, slowest rank), {args.instrumented_steps} phase-instrumented steps. "

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, rank_config_and_batch,
-                                  release, run_label)
+                                  release, run_label, setup_description)
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
 from lm_systems.parallel import gradient_process_group
@@ -43,7 +43,8 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
         if variant.group_key is not None and variant.group_key not in groups:
             groups[variant.group_key] = gradient_process_group(*variant.group_key)
         here = variant.base != "single" or rank == 0
-        run = build(variant, config, device, groups.get(variant.group_key)) if here else None
+        group = groups.get(variant.group_key)
+        run = build(variant, config, device, group, compile_blocks=args.compile) if here else None
         steps.append((make_step(run, variant, args, device) if here else None, run))
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(args.warmup + args.iterations):
@@ -128,9 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _write(rows: list[dict], args: argparse.Namespace) -> None:
     stem = f"ddp_paired_{run_label(args)}"
-    notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
-             f"{args.attention} attention. "
-             f"Both variants of a pair resident at once, turns of {args.steps_per_turn} back-to-back step(s) "
+    notes = (f"{setup_description(args)}. Both variants of a pair resident at once, turns of {args.steps_per_turn} back-to-back step(s) "
              f"alternating A B / B A over {args.iterations} timed iterations after {args.warmup} warm-up ones; "
              "each turn starts on all ranks together and counts on the slowest, per step. "
              "B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "

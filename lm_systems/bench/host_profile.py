@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lm_systems.bench.ddp import (add_setup_args, check_setup_args, for_each_warmed_variant, rank_config_and_batch,
-                                  run_label, variant_names)
+                                  run_label, setup_description, variant_names)
 from lm_systems.bench.gpu_timeline import trace_events
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _write(rows: list[dict], args: argparse.Namespace) -> None:
-    notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
-             f"{args.attention} attention; rank 0, one profiled step per variant after {args.warmup} warm-up "
+    notes = (f"{setup_description(args)}; rank 0, one profiled step per variant after {args.warmup} warm-up "
              "steps. thread: the host thread's id; total_ms and calls per (thread, category); largest: the "
              "five largest entries as time/calls. Operator times nest, so their totals overcount.")
     write_results(f"host_profile_{run_label(args)}", rows, title="Host time per thread, one data-parallel step",

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lm_systems.bench.ddp import (add_setup_args, check_setup_args, for_each_warmed_variant, rank_config_and_batch,
-                                  run_label, variant_names)
+                                  run_label, setup_description, variant_names)
 from lm_systems.bench.gpu_timeline import intersection, total, trace_events, union
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
@@ -197,8 +197,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _write(rows: list[dict], args: argparse.Namespace) -> None:
-    notes = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
-             f"{args.attention} attention; every rank profiled over the same turn of {args.steps_per_turn} steps "
+    notes = (f"{setup_description(args)}; every rank profiled over the same turn of {args.steps_per_turn} steps "
              f"after {args.warmup} warm-up steps, {args.turns} turn(s) per variant; times per step. Ranks aligned on "
              "the end of an opening one-element all-reduce. wait_ms: NCCL kernels resident before the other "
              "rank's joined; joint_ms: collectives running with both ranks in; queued: collectives that started "

@@ -116,6 +116,12 @@ class AllReduceCounter:
             setattr(owner, name, original)
 
 
+def compiled_hidden(model: ToyNet) -> ToyNet:
+    """``model`` with its hidden layer torch.compiled: its gradients come out of a compiled backward node."""
+    model.hidden.compile(backend="aot_eager")  # graph capture without code generation: quick on a CPU
+    return model
+
+
 CONTAINERS = {
     "naive": lambda m: NaiveDDP(m),
     "naive_flat": lambda m: NaiveDDP(m, flat=True),
@@ -125,6 +131,7 @@ CONTAINERS = {
     "bucketed_bf16_comm": lambda m: DDPBucketed(m, bucket_size_mb=0.002, grad_comm_dtype=torch.bfloat16),
     "individual_launch_thread": lambda m: DDPIndividualParameters(m, launch_thread=True),
     "bucketed_launch_thread": lambda m: DDPBucketed(m, bucket_size_mb=0.002, launch_thread=True),
+    "bucketed_compiled_layer": lambda m: DDPBucketed(compiled_hidden(m), bucket_size_mb=0.002),
 }
 # Gradients averaged in bf16 match the fp32 reference only to bf16's precision.
 TOLERANCE = {"bucketed_bf16_comm": 2e-3}

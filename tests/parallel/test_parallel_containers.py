@@ -56,7 +56,8 @@ def test_no_communication_inside_no_sync(runs, name):
         assert runs[rank][name]["no_sync_all_reduces"] == 0
 
 
-@pytest.mark.parametrize("name", ["individual", "bucketed", "bucketed_keep_grads", "bucketed_bf16_comm"])
+@pytest.mark.parametrize("name", ["individual", "bucketed", "bucketed_keep_grads", "bucketed_bf16_comm",
+                                  "bucketed_compiled_layer"])
 def test_overlapping_containers_communicate_during_backward(runs, name):
     # Rank 0 uses every parameter but ``never_used``, whose unit comes last: all earlier units launch early.
     assert min(runs[0][name]["all_reduces_during_backward"]) > 0
