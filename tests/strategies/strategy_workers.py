@@ -48,9 +48,10 @@ class TinyData(L.LightningDataModule):
 
 
 class TinyLM(L.LightningModule):
-    """Tied embedding/head, a frozen layer; re-initialised per rank in ``setup`` so the ranks start apart."""
+    """Tied embedding/head, a frozen layer; re-initialised per rank in ``setup`` so the ranks start apart.
+    With ``compile_hidden`` the hidden layer is torch.compiled: its gradients come out of a compiled backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, compile_hidden: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.hidden = nn.Linear(DIM, DIM)
@@ -58,6 +59,8 @@ class TinyLM(L.LightningModule):
         self.frozen.requires_grad_(False)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight
+        if compile_hidden:
+            self.hidden.compile()
         self.grad_norms: list[float] = []
         self.lrs: list[float] = []
 
@@ -150,7 +153,8 @@ def make_strategy(name: str):
     """A registered name, ``bucketed_ddp+bf16`` (bucketed_ddp sending its gradients in bf16),
     ``bucketed_ddp+no_thread`` (launching its all-reduces from the gradient hooks themselves) or
     ``zero1+stages1`` (zero1 stepping its whole shard, then exchanging, on the default group), or
-    ``bucketed_ddp+ce`` / ``zero1+ce`` (buckets averaged by peer copies: ``allreduce="copy_engine"``)."""
+    ``bucketed_ddp+ce`` / ``zero1+ce`` (buckets averaged by peer copies: ``allreduce="copy_engine"``), or
+    ``bucketed_ddp+compiled`` (bucketed_ddp training a TinyLM with a compiled layer)."""
     if name.endswith("+ce"):
         cls = BucketedDDPStrategy if name.startswith("bucketed_ddp") else Zero1Strategy
         return cls(allreduce="copy_engine")
@@ -158,6 +162,8 @@ def make_strategy(name: str):
         return BucketedDDPStrategy(grad_comm_dtype="bf16")
     if name == "zero1+stages1":
         return Zero1Strategy(exchange_stages=1, comm_high_priority=False)
+    if name == "bucketed_ddp+compiled":
+        return "bucketed_ddp"
     if name == "bucketed_ddp+no_thread":
         return BucketedDDPStrategy(launch_thread=False)
     return name
@@ -223,7 +229,7 @@ def run_gpu_strategies(rank: int, world_size: int, port: int, out_dir: str, name
             for name in names:
                 trainer = make_trainer(make_strategy(name), world_size, out_dir, f"{name}_{precision}",
                                        accelerator="gpu", precision=precision)
-                trainer.fit(TinyLM(), datamodule=TinyData())
+                trainer.fit(TinyLM(compile_hidden=name.endswith("+compiled")), datamodule=TinyData())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
