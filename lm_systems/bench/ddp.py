@@ -316,6 +316,13 @@ def for_each_warmed_variant(args: argparse.Namespace, rank: int, device: torch.d
         release(runs, device)
 
 
+def add_warmed_variant_args(parser: argparse.ArgumentParser, default: list[str], warmup_help: str) -> None:
+    """The ``--variants`` and ``--warmup`` flags that ``for_each_warmed_variant`` reads."""
+    parser.add_argument("--variants", type=variant_names, default=default,
+                        help="comma-separated bench.ddp variant names, e.g. single,bucketed_25+thread")
+    parser.add_argument("--warmup", type=int, default=3, help=warmup_help)
+
+
 def release(runs: list[Run | None], device: torch.device) -> None:
     """Detach the runs' containers (their cleanups) and give their memory back; the caller drops its references."""
     for run in runs:

@@ -18,8 +18,8 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import (add_setup_args, check_setup_args, for_each_warmed_variant, rank_config_and_batch,
-                                  run_label, setup_description, variant_names)
+from lm_systems.bench.ddp import (add_setup_args, add_warmed_variant_args, check_setup_args, for_each_warmed_variant,
+                                  rank_config_and_batch, run_label, setup_description)
 from lm_systems.bench.gpu_timeline import trace_events
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
@@ -83,9 +83,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_args(parser)
-    parser.add_argument("--variants", type=variant_names, default=DEFAULT_VARIANTS,
-                        help="comma-separated bench.ddp variant names, e.g. single,bucketed_25+thread")
-    parser.add_argument("--warmup", type=int, default=3, help="steps before the profiled one")
+    add_warmed_variant_args(parser, DEFAULT_VARIANTS, "steps before the profiled one")
     args = parser.parse_args(argv)
     check_setup_args(parser, args)
     return args

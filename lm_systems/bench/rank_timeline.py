@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import (add_setup_args, check_setup_args, for_each_warmed_variant, rank_config_and_batch,
-                                  run_label, setup_description, variant_names)
+from lm_systems.bench.ddp import (add_setup_args, add_warmed_variant_args, check_setup_args, for_each_warmed_variant,
+                                  rank_config_and_batch, run_label, setup_description)
 from lm_systems.bench.gpu_timeline import intersection, total, trace_events, union
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
@@ -174,9 +174,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_args(parser)
-    parser.add_argument("--variants", type=variant_names, default=DEFAULT_VARIANTS,
-                        help="comma-separated bench.ddp variant names, e.g. single,bucketed_25+thread")
-    parser.add_argument("--warmup", type=int, default=3, help="steps before the first profiled turn")
+    add_warmed_variant_args(parser, DEFAULT_VARIANTS, "steps before the first profiled turn")
     parser.add_argument("--turns", type=int, default=2, help="profiled turns per variant")
     parser.add_argument("--steps-per-turn", type=int, default=3, help="back-to-back steps in a profiled turn")
     parser.add_argument("--save-traces", type=Path, default=None,
