@@ -2,11 +2,13 @@
 
 On hosts where the xl backward is launch-bound, a data-parallel variant is as fast as the CUDA calls it
 adds to the threads that launch backward's kernels. This runs one step of each variant under
-torch.profiler (CPU and CUDA activity) on rank 0, after warm-up steps, and reports per host thread and
-category (CUDA runtime calls, driver calls, operators, annotations) the total time, the number of
+torch.profiler (CPU and CUDA activity) on every rank at once, after warm-up steps, and reports per rank,
+host thread and category (CUDA runtime calls, driver calls, operators, annotations) the total time, the number of
 calls and the five largest entries: e.g. how many CUDA calls a launch thread makes per all-reduce, and
 how long backward's own ``cudaLaunchKernel`` calls took beside them. One profiled step per variant on a
-drifting host: read the counts, and the durations as orders of magnitude. Operator times nest (a
+drifting host: read the counts, and the durations as orders of magnitude. Every rank is profiled, not
+only rank 0, because the ranks differ: in a data-parallel step one rank's host can lag while the other's
+collectives wait for it, and which one lags varies. Operator times nest (a
 parent includes its children), so their totals overcount. Variants are bench.ddp's names.
 """
 
@@ -29,8 +31,8 @@ CATEGORIES = ("cuda_runtime", "cuda_driver", "cpu_op", "user_annotation")
 MIN_OPERATOR_MS = 2.0  # operator and annotation rows below this per thread are left out; CUDA rows never
 
 
-def summarize_host(events: list[dict], variant: str) -> list[dict]:
-    """Chrome-trace events → one row per (thread, category): total ms, calls, the five largest entries."""
+def summarize_host(events: list[dict], variant: str, rank: int) -> list[dict]:
+    """Chrome-trace events of ``rank`` → one row per (thread, category): total ms, calls, the five largest entries."""
     time: dict[tuple[str, int], Counter] = defaultdict(Counter)
     calls: dict[tuple[str, int], Counter] = defaultdict(Counter)
     for event in events:
@@ -45,7 +47,7 @@ def summarize_host(events: list[dict], variant: str) -> list[dict]:
             continue
         top = ", ".join(f"{name[:40]} {us / 1e3:.1f} ms/{calls[(category, thread)][name]}"
                         for name, us in spent.most_common(5))
-        rows.append({"variant": variant, "thread": thread, "category": category, "total_ms": total_ms,
+        rows.append({"variant": variant, "rank": rank, "thread": thread, "category": category, "total_ms": total_ms,
                      "calls": sum(calls[(category, thread)].values()), "largest": top})
     return rows
 
@@ -69,9 +71,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
         synchronize(device)
         dist.barrier()
         events = profile_step(step, batch, device) if step is not None else []
-        if rank == 0:
-            for row in summarize_host(events, name):
-                queue.put(row)
+        for row in summarize_host(events, name, rank):
+            queue.put(row)
         dist.barrier()
 
     try:
@@ -95,8 +96,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _write(rows: list[dict], args: argparse.Namespace) -> None:
-    notes = (f"{setup_description(args)}; rank 0, one profiled step per variant after {args.warmup} warm-up "
-             "steps. thread: the host thread's id; total_ms and calls per (thread, category); largest: the "
+    rows.sort(key=lambda row: (args.variants.index(row["variant"]), row["rank"]))
+    notes = (f"{setup_description(args)}; every rank, one profiled step per variant after {args.warmup} warm-up "
+             "steps. thread: the host thread's id; total_ms and calls per (rank, thread, category); largest: the "
              "five largest entries as time/calls. Operator times nest, so their totals overcount.")
     write_results(f"host_profile_{run_label(args)}", rows, title="Host time per thread, one data-parallel step",
                   notes=notes, out_dir=args.out_dir)

@@ -18,14 +18,14 @@ def test_rows_per_thread_and_category_with_their_largest_entries():
         {"ph": "X", "cat": "kernel", "tid": 1, "name": "gemm", "dur": 900.0},  # GPU side: not host time
         {"ph": "i", "cat": "cuda_runtime", "tid": 7, "name": "marker"},  # not a complete event
     ]
-    rows = host_profile.summarize_host(events, "v")
+    rows = host_profile.summarize_host(events, "v", rank=1)
     got = {(r["thread"], r["category"]): r for r in rows}
     assert set(got) == {(7, "cpu_op"), (7, "cuda_runtime"), (9, "cuda_runtime")}
     launch = got[(7, "cuda_runtime")]
     assert launch["calls"] == 3 and launch["total_ms"] == pytest.approx(0.027)
     assert launch["largest"].startswith("cudaLaunchKernel 0.0 ms/2, cudaEventRecord")
     assert rows[0]["category"] == "cpu_op"  # the largest total first
-    assert all(r["variant"] == "v" for r in rows)
+    assert all(r["variant"] == "v" and r["rank"] == 1 for r in rows)
 
 
 def test_tiny_run_on_two_gloo_ranks_reports_each_variant(tmp_path):
@@ -34,7 +34,8 @@ def test_tiny_run_on_two_gloo_ranks_reports_each_variant(tmp_path):
                        "--variants", "single,bucketed_1+thread", "--out-dir", str(tmp_path)])
     with open(tmp_path / "host_profile_tiny_2cpu.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {r["variant"] for r in rows} == {"single", "bucketed_1+thread"}
+    ranks = {variant: {r["rank"] for r in rows if r["variant"] == variant} for variant in ("single", "bucketed_1+thread")}
+    assert ranks == {"single": {"0"}, "bucketed_1+thread": {"0", "1"}}  # single runs on rank 0 alone
     assert all(float(r["total_ms"]) > 0 and int(r["calls"]) > 0 for r in rows)
 
 
