@@ -73,6 +73,7 @@ DEFAULT_VARIANTS = ["single", "torch_ddp", "torch_ddp_view", "naive", "naive_fla
                     "bucketed_10", "bucketed_25", "bucketed_100", "bucketed_1000", "zero1", "zero1_broadcast",
                     "torch_zero"]
 EXTRA_VARIANTS = ["no_comm"]
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 MATRIX_STRATEGIES = ["single", "naive", "bucketed_25", "torch_ddp"]
 TIMELINE_COLUMNS = ["comm_ms", "comm_hidden_frac", "comm_exposed_ms", "gpu_idle_ms", "gpu_span_ms"]
 
@@ -168,12 +169,13 @@ def _is_number(text: str) -> bool:
 
 
 def build(variant: Variant, config: ModelConfig, device: torch.device, group: dist.ProcessGroup | None,
-          lr: float = 1e-4, compile_blocks: bool = False) -> Run:
+          lr: float = 1e-4, compile_mode: str | None = None) -> Run:
+    """``variant`` on this rank, over a fresh model whose blocks are compiled in ``compile_mode`` (None: eager)."""
     torch.manual_seed(0)
     with device:
         model = TransformerLM(config)
-    if compile_blocks:
-        model.compile_blocks()
+    if compile_mode is not None:
+        model.compile_blocks(mode=compile_mode)
     adamw = dict(lr=lr, fused=device.type == "cuda")
     comm = dict(process_group=group, grad_comm_dtype=torch.bfloat16 if variant.bf16_comm else None)
     base = variant.base
@@ -307,13 +309,13 @@ def for_each_warmed_variant(args: argparse.Namespace, rank: int, device: torch.d
     for name in args.variants:
         variant = Variant.parse(name)
         here = variant.base != "single" or rank == 0
-        run = build(variant, config, device, None, compile_blocks=args.compile) if here else None
+        run = build(variant, config, device, None, compile_mode=args.compile) if here else None
         step = make_step(run, variant, args, device) if here else None
         for _ in range(args.warmup if here else 0):
             step(batch)
         visit(name, step)
         runs, step, run = [run], None, None
-        release(runs, device)
+        release(runs, device, args.compile)
 
 
 def add_warmed_variant_args(parser: argparse.ArgumentParser, default: list[str], warmup_help: str) -> None:
@@ -323,12 +325,22 @@ def add_warmed_variant_args(parser: argparse.ArgumentParser, default: list[str],
     parser.add_argument("--warmup", type=int, default=3, help=warmup_help)
 
 
-def release(runs: list[Run | None], device: torch.device) -> None:
+def release(runs: list[Run | None], device: torch.device, compile_mode: str | None) -> None:
     """Detach the runs' containers (their cleanups) and give their memory back; the caller drops its references."""
     for run in runs:
         for cleanup in run.cleanup if run is not None else []:
             cleanup()
     runs.clear()
+    free_device_memory(device, compile_mode)
+
+
+def free_device_memory(device: torch.device, compile_mode: str | None) -> None:
+    """Give back what freed runs held. Under ``--compile reduce-overhead`` that takes dropping the compiled
+    code too: its CUDA graphs' memory pools belong to torch's global cudagraph trees, not to the models, and
+    piled up to an OOM by the tenth xl visit; shutting the trees down alone leaves the compiled blocks calling
+    into them ("Running CUDAGraph after shutdown"), so the next model compiles afresh (from inductor's cache)."""
+    if compile_mode == "reduce-overhead":
+        torch._dynamo.reset()  # also resets the cudagraph trees
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -379,14 +391,13 @@ def visit(name: str, attention: str, args: argparse.Namespace, device: torch.dev
     runs_here = variant.base != "single" or rank == 0
     result = None
     if runs_here:
-        gc.collect()
+        free_device_memory(device, args.compile)
         held_before = 0
         if device.type == "cuda":
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             held_before = torch.cuda.memory_allocated(device)
         try:
-            run = build(variant, config, device, group, compile_blocks=args.compile)
+            run = build(variant, config, device, group, compile_mode=args.compile)
             g = torch.Generator(device=device).manual_seed(1000 + rank)
             batches = [torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1),
                                      device=device, generator=g) for _ in range(2)]
@@ -527,8 +538,10 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None, help="processes, one per GPU (default: all GPUs, or 2 on CPU)")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--attention", default="sdpa", help="the model's attention (the variant table's, for bench.ddp)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile each Transformer block of every variant's model (compiling happens in warm-up)")
+    parser.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES, default=None,
+                        help="torch.compile each Transformer block of every variant's model, in this torch.compile "
+                             "mode (default: 'default'; 'reduce-overhead' replays each block's kernels as CUDA "
+                             "graphs); compiling happens in warm-up")
     parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
 
@@ -590,14 +603,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def setup_description(args: argparse.Namespace) -> str:
     """What the setup flags ran, for a results file's notes: ``xl, batch 4/rank, context 512, ...``."""
-    compiled = ", every Transformer block torch.compiled" if args.compile else ""
+    compiled = ""
+    if args.compile is not None:
+        mode = "" if args.compile == "default" else f" (mode {args.compile})"
+        compiled = f", every Transformer block torch.compiled{mode}"
     return (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, {args.precision}, "
             f"{args.attention} attention{compiled}")
 
 
 def run_label(args: argparse.Namespace) -> str:
-    """``<size>_<nproc><gpu|cpu>[_compiled]``: the part of a results file name that says what ran where."""
-    compiled = "_compiled" if args.compile else ""
+    """``<size>_<nproc><gpu|cpu>[_compiled[_<mode>]]``: the part of a results file name that says what ran where."""
+    compiled = ""
+    if args.compile is not None:
+        compiled = "_compiled" if args.compile == "default" else f"_compiled_{args.compile.replace('-', '_')}"
     return f"{args.size}_{args.nproc}{'gpu' if args.device == 'cuda' else 'cpu'}{compiled}"
 
 

@@ -44,7 +44,7 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
             groups[variant.group_key] = gradient_process_group(*variant.group_key)
         here = variant.base != "single" or rank == 0
         group = groups.get(variant.group_key)
-        run = build(variant, config, device, group, compile_blocks=args.compile) if here else None
+        run = build(variant, config, device, group, compile_mode=args.compile) if here else None
         steps.append((make_step(run, variant, args, device) if here else None, run))
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(args.warmup + args.iterations):
@@ -63,7 +63,7 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
                 times[which].append(elapsed.item())
     runs = [run for _, run in steps]
     steps = run = None
-    release(runs, device)
+    release(runs, device, args.compile)
     return times
 
 

@@ -106,3 +106,28 @@ def test_paired_bench_names_a_bad_pair():
     with pytest.raises(SystemExit):
         ddp_paired.parse_args(["--device", "cpu", "--steps-per-turn", "0"])
     assert ddp_paired.parse_args(["--device", "cpu"]).attention == "sdpa"  # as bench.ddp's variant table
+
+
+def test_compile_flag_takes_an_optional_mode_that_names_the_results():
+    eager = ddp.parse_args(["--device", "cpu"])
+    default = ddp.parse_args(["--device", "cpu", "--compile"])
+    graphs = ddp.parse_args(["--device", "cpu", "--compile", "reduce-overhead"])
+    assert (eager.compile, default.compile, graphs.compile) == (None, "default", "reduce-overhead")
+    assert [ddp.run_label(a) for a in (eager, default, graphs)] == ["xl_2cpu", "xl_2cpu_compiled",
+                                                                     "xl_2cpu_compiled_reduce_overhead"]
+    assert "(mode reduce-overhead)" in ddp.setup_description(graphs)
+    with pytest.raises(SystemExit):
+        ddp.parse_args(["--device", "cpu", "--compile", "fastest"])
+
+
+def test_reduce_overhead_runs_visit_after_visit(tmp_path):
+    # Every visit after the first drops the compiled code (its CUDA graph pools would otherwise pile up on a
+    # GPU) and compiles afresh; on the CPU there are no graphs, but the reset and recompiles run the same way.
+    ddp.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device",
+              "cpu", "--nproc", "2", "--steps", "1", "--warmup", "1", "--instrumented-steps", "0", "--rounds", "2",
+              "--variants", "single,bucketed_1", "--compile", "reduce-overhead", "--out-dir", str(tmp_path)])
+    with open(tmp_path / "ddp_tiny_2cpu_compiled_reduce_overhead_rounds.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["round"], r["variant"]) for r in rows] == [("0", "single"), ("0", "bucketed_1"), ("1", "single"),
+                                                          ("1", "bucketed_1")]
+    assert all(r["replicas_equal"] == "True" and float(r["step_ms"]) > 0 for r in rows)
