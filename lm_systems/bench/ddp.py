@@ -301,21 +301,27 @@ def make_step(run: Run, variant: Variant, args: argparse.Namespace,
     return step
 
 
-def for_each_warmed_variant(args: argparse.Namespace, rank: int, device: torch.device, config: ModelConfig,
-                            batch: torch.Tensor, visit: Callable[[str, Callable[..., None] | None], None]) -> None:
-    """For each of ``args.variants`` in turn: build it on this rank (``single`` on rank 0 alone), run
-    ``args.warmup`` steps on ``batch``, call ``visit(name, step)`` (``step`` None where the variant does not
-    run), then free it before the next is built."""
-    for name in args.variants:
-        variant = Variant.parse(name)
-        here = variant.base != "single" or rank == 0
-        run = build(variant, config, device, None, compile_mode=args.compile) if here else None
-        step = make_step(run, variant, args, device) if here else None
-        for _ in range(args.warmup if here else 0):
-            step(batch)
-        visit(name, step)
-        runs, step, run = [run], None, None
-        release(runs, device, args.compile)
+def for_each_warmed_variant(rank: int, args: argparse.Namespace, port: int,
+                            visit: Callable[[str, Callable[..., None] | None, torch.device, torch.Tensor], None]) -> None:
+    """A profiling bench's whole rank: join the group, then for each of ``args.variants`` in turn build it on
+    this rank (``single`` on rank 0 alone), run ``args.warmup`` steps on this rank's batch, call
+    ``visit(name, step, device, batch)`` (``step`` None where the variant does not run) and free it before the
+    next is built; leave the group at the end, also after a failure."""
+    device = init_rank(rank, args.nproc, port, "nccl" if args.device == "cuda" else "gloo", args.timeout_s)
+    config, batch = rank_config_and_batch(args, rank, device)
+    try:
+        for name in args.variants:
+            variant = Variant.parse(name)
+            here = variant.base != "single" or rank == 0
+            run = build(variant, config, device, None, compile_mode=args.compile) if here else None
+            step = make_step(run, variant, args, device) if here else None
+            for _ in range(args.warmup if here else 0):
+                step(batch)
+            visit(name, step, device, batch)
+            runs, step, run = [run], None, None
+            release(runs, device, args.compile)
+    finally:
+        dist.destroy_process_group()
 
 
 def add_warmed_variant_args(parser: argparse.ArgumentParser, default: list[str], warmup_help: str) -> None:

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from lm_systems.bench.ddp import (add_setup_args, add_warmed_variant_args, check_setup_args, for_each_warmed_variant,
-                                  rank_config_and_batch, run_label, setup_description)
+                                  run_label, setup_description)
 from lm_systems.bench.gpu_timeline import trace_events
-from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
+from lm_systems.bench.ranks import spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
 
 DEFAULT_VARIANTS = ["single", "bucketed_25+thread", "bucketed_1000+thread", "torch_ddp"]
@@ -64,10 +64,7 @@ def profile_step(step, batch: torch.Tensor, device: torch.device) -> list[dict]:
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    device = init_rank(rank, args.nproc, port, "nccl" if args.device == "cuda" else "gloo", args.timeout_s)
-    config, batch = rank_config_and_batch(args, rank, device)
-
-    def visit(name: str, step) -> None:
+    def visit(name: str, step, device: torch.device, batch: torch.Tensor) -> None:
         synchronize(device)
         dist.barrier()
         events = profile_step(step, batch, device) if step is not None else []
@@ -75,10 +72,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
             queue.put(row)
         dist.barrier()
 
-    try:
-        for_each_warmed_variant(args, rank, device, config, batch, visit)
-    finally:
-        dist.destroy_process_group()
+    for_each_warmed_variant(rank, args, port, visit)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from lm_systems.bench.ddp import (add_setup_args, add_warmed_variant_args, check_setup_args, for_each_warmed_variant,
-                                  rank_config_and_batch, run_label, setup_description)
+                                  run_label, setup_description)
 from lm_systems.bench.gpu_timeline import intersection, total, trace_events, union
-from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
+from lm_systems.bench.ranks import spawn_ranks, synchronize
 from lm_systems.bench.report import write_results
 
 DEFAULT_VARIANTS = ["single", "no_comm", "bucketed_25+thread", "bucketed_1000+thread", "torch_ddp"]
@@ -143,10 +143,7 @@ def profile_turn(step, batch: torch.Tensor, steps: int, device: torch.device) ->
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    device = init_rank(rank, args.nproc, port, "nccl", args.timeout_s)
-    config, batch = rank_config_and_batch(args, rank, device)
-
-    def visit(name: str, step) -> None:
+    def visit(name: str, step, device: torch.device, batch: torch.Tensor) -> None:
         for turn in range(args.turns):
             synchronize(device)
             dist.barrier()
@@ -165,10 +162,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                     queue.put(row)
                     print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
 
-    try:
-        for_each_warmed_variant(args, rank, device, config, batch, visit)
-    finally:
-        dist.destroy_process_group()
+    for_each_warmed_variant(rank, args, port, visit)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
