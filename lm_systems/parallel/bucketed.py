@@ -95,8 +95,8 @@ class DDPBucketed(OverlappedDDP):
 
     @property
     def buckets(self) -> list[list[nn.Parameter]]:
-        """The parameters of each bucket, in launch order."""
-        return self._units
+        """The parameters of each bucket, in launch order (its ``units``)."""
+        return self.units
 
     @torch.no_grad()
     def _attach_gradients(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -47,6 +48,11 @@ class OverlappedDDP(DataParallelModule):
                 hook = partial(self._on_grad_accumulated, u, i, flat_index)
                 self._add_hook(param.register_post_accumulate_grad_hook(hook))
                 flat_index += 1
+
+    @property
+    def units(self) -> list[list[nn.Parameter]]:
+        """The parameters of each unit (averaged together), in launch order."""
+        return self._units
 
     # -- subclass interface ------------------------------------------------------------------
 
@@ -100,8 +106,17 @@ class OverlappedDDP(DataParallelModule):
     def _launch_into_works(self, unit: int) -> None:
         self._works[unit] = self._launch(unit)
 
-    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
+        for _ in self.averaged_units():
+            pass
+
+    @torch.no_grad()
+    def averaged_units(self) -> Iterator[int]:
+        """``finish_gradient_synchronization`` unit by unit: yields each unit's index, in launch order, once
+        its mean is in ``.grad`` (on CUDA: once the current stream waits for it), so that work issued between
+        yields, like an optimizer step over that unit's parameters, overlaps the averaging of the units
+        after it. Consume it to the end: the last step resets the container for the next backward.
+        """
         if self._launcher is not None:
             self._launcher.drain()
         local = self._local_presence()
@@ -109,17 +124,25 @@ class OverlappedDDP(DataParallelModule):
             self._prepare_late(unit)
             self._works[unit] = self._launch(unit)
         self._presence.launch(local)
-        for work in self._works:
+        # Which parameters keep ``grad = None`` is known without the presence all-reduce when this rank
+        # holds every gradient; otherwise read it first (a host sync), before any unit is handed out.
+        if not all(local):
+            self._settle_presence(self._presence.wait())
+        for unit, work in enumerate(self._works):
             work.wait()
-        present = iter(self._presence.wait())
+            yield unit
+        if all(local):
+            self._presence.wait()
+        self._reset()
+
+    def _settle_presence(self, anywhere: list[bool]) -> None:
+        present = iter(anywhere)
         for u, unit in enumerate(self._units):
             for i, param in enumerate(unit):
-                anywhere = next(present)
-                if not anywhere:
+                if not next(present):
                     param.grad = None  # no rank produced one: as single-process training leaves it
                 elif param.grad is None:
-                    param.grad = self._averaged(u, i)
-        self._reset()
+                    param.grad = self._averaged(u, i)  # filled in by the unit's wait
 
     def remove_hooks(self) -> None:
         super().remove_hooks()

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lm_systems.parallel.collectives import require_process_group
+from lm_systems.parallel.runs import cut_into_runs
+from lm_systems.parallel.staged_optimizer import StagedOptimizer
 
 Exchange = Literal["p2p", "broadcast"]
 
@@ -18,7 +20,7 @@ Exchange = Literal["p2p", "broadcast"]
 _P2P_PARAMS_PER_BATCH = 128
 
 
-class ShardedOptimizer(Optimizer):
+class ShardedOptimizer(StagedOptimizer):
     """Each rank keeps ``optimizer_cls`` state only for its shard of the parameters and steps only that shard.
 
     Parameters are assigned whole to ranks, largest first, each to the rank with the fewest elements so
@@ -36,9 +38,8 @@ class ShardedOptimizer(Optimizer):
     stages measured 0.97x the one-stage step on a high-priority group (twice) and 1.03x on the default
     one (benchmarks/results/ddp_paired_xl_2gpu_zero1_{hp_stages,stages}.md); the zero1 strategy uses both.
 
-    ``param_groups`` are the full groups (learning-rate schedulers, clipping and ``zero_grad`` see every
-    parameter); their hyperparameters are copied into the local optimizers before each step; ``state``
-    holds this rank's shard of the state. ``consolidate_state_dict(to)`` (a collective) gathers a plain
+    ``param_groups`` are the full groups (see ``StagedOptimizer``, whose stages here hold only this rank's
+    parameters); ``state`` holds this rank's shard of the state. ``consolidate_state_dict(to)`` (a collective) gathers a plain
     ``optimizer_cls`` state dict over all parameters on rank ``to``; ``load_state_dict`` takes that
     format on any world size.
     """
@@ -59,8 +60,6 @@ class ShardedOptimizer(Optimizer):
             raise ValueError(f"exchange must be 'p2p' or 'broadcast', got {exchange!r}")
         if exchange_stages < 1:
             raise ValueError(f"exchange_stages must be at least 1, got {exchange_stages}")
-        self._optimizer_cls = optimizer_cls
-        self._optimizer_kwargs = kwargs
         self._exchange = exchange
         self._group = process_group
         self.rank = dist.get_rank()
@@ -68,38 +67,27 @@ class ShardedOptimizer(Optimizer):
         self._owner: dict[int, int] = {}  # id(param) → owning rank
         self._stage_of: dict[int, int] = {}  # id(param) → pipeline stage
         self._load = [0] * self.world_size  # elements owned per rank
-        # One optimizer_cls per stage over this rank's part of it, all sharing ``self.state``; and every
-        # rank's parameters of each stage, in param_groups order (the exchange's order on every rank).
-        self._stages: list[Optimizer] = []
+        # Every rank's parameters of each stage, in param_groups order (the exchange's order on every rank).
         self._stage_params: list[list[torch.Tensor]] = [[] for _ in range(exchange_stages)]
         self._consolidated: dict[str, Any] | None = None
-        super().__init__(params, defaults=kwargs)
+        super().__init__(params, optimizer_cls, exchange_stages, **kwargs)
 
     # -- sharding ----------------------------------------------------------------------------
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (also after construction); its parameters are shared out among the ranks."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        for param in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
+    def stage_params(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """A new group's parameters are shared out among the ranks (largest first, each to the least loaded),
+        each rank's cut into the stages; this rank steps its own."""
+        for param in sorted(params, key=lambda p: p.numel(), reverse=True):
             rank = min(range(self.world_size), key=lambda r: self._load[r])
             self._owner[id(param)] = rank
             self._load[rank] += param.numel()
         for rank in range(self.world_size):
-            shard = [p for p in group["params"] if self._owner[id(p)] == rank]
-            for param, stage in zip(shard, _cut(shard, len(self._stage_params))):
+            shard = [p for p in params if self._owner[id(p)] == rank]
+            for param, stage in zip(shard, cut_into_runs([p.numel() for p in shard], self._num_stages)):
                 self._stage_of[id(param)] = stage
-        for param in group["params"]:
+        for param in params:
             self._stage_params[self._stage_of[id(param)]].append(param)
-        hyperparameters = {k: v for k, v in group.items() if k != "params"}
-        for stage in range(len(self._stage_params)):
-            local_group = {**hyperparameters, "params": self._owned_in_stage(group["params"], stage)}
-            if stage < len(self._stages):
-                self._stages[stage].add_param_group(local_group)
-            else:
-                optimizer = self._optimizer_cls([local_group], **self._optimizer_kwargs)
-                optimizer.state = self.state
-                self._stages.append(optimizer)
+        return [self._owned_in_stage(params, stage) for stage in range(self._num_stages)]
 
     def owner(self, param: torch.Tensor) -> int:
         """The rank that holds ``param``'s optimizer state and updates it."""
@@ -121,14 +109,7 @@ class ShardedOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for index, group in enumerate(self.param_groups):
-            hyperparameters = {k: v for k, v in group.items() if k != "params"}
-            for stage in self._stages:
-                stage.param_groups[index].update(hyperparameters)
+        loss = self.prepare_step(closure)
         works: list[dist.Work] = []
         for stage, optimizer in enumerate(self._stages):
             optimizer.step()
@@ -221,17 +202,6 @@ class ShardedOptimizer(Optimizer):
             self.state.update(optimizer.state)
             optimizer.state = self.state
         self._consolidated = None
-
-
-def _cut(params: list[torch.Tensor], parts: int) -> list[int]:
-    """The part (0 … parts-1) of each parameter when ``params``, in order, are cut into ``parts`` runs of
-    about equal numbers of elements (a parameter goes where its middle element falls)."""
-    total = sum(p.numel() for p in params)
-    before, cuts = 0, []
-    for p in params:
-        cuts.append(min(parts - 1, int((before + p.numel() / 2) * parts / total)) if total else 0)
-        before += p.numel()
-    return cuts
 
 
 def _to_cpu(value: Any) -> Any:
