@@ -23,12 +23,16 @@ matmuls through cuBLASLt told to leave k SMs free (torch's experimental SM carve
 all-reduces; ``+thread`` (ours only) launches the all-reduces from a thread of their own instead of
 autograd's (``launch_thread``); ``+stages<k>`` (zero1 only) pipelines its step and parameter exchange
 in k stages (``exchange_stages``; the default, 1: step everything, then exchange); ``+ce`` (bucketed and
-zero1) averages the buckets by peer copies over symmetric memory (``allreduce="copy_engine"``); ``+local``
+zero1) averages the buckets by peer copies over symmetric memory (``allreduce="copy_engine"``); ``+ostep<k>``
+(overlap, bucketed_<MB>) steps AdamW in k stages of buckets, each as soon as its buckets are averaged,
+while the later ones are still on the wire (``OverlappedStepOptimizer``: the sync_ms phase is then 0 and
+the optimizer phase holds the rest of the averaging); ``+local``
 (torch_ddp, bucketed_<MB>; a diagnostic, its replicas differ) runs the container with its gradient
 collectives left out (hooks, bucket views and launches run, no gradient is sent; bucketed's one small
 all-reduce of which parameters hold gradients still runs), pricing the container's own work apart from
 communication. E.g.
-``bucketed_25+hp``, ``torch_ddp+hp+bf16``, ``bucketed_25+thread``, ``zero1+thread+hp+stages4``, ``bucketed_25+thread+ce``.
+``bucketed_25+hp``, ``torch_ddp+hp+bf16``, ``bucketed_25+thread``, ``zero1+thread+hp+stages4``, ``bucketed_25+thread+ce``,
+``bucketed_25+ce+ostep4``.
 
 Per variant: step time (median of per-step times, slowest rank), the phases of a few separately
 instrumented steps (forward, backward, gradient sync left after backward, optimizer), with
@@ -65,8 +69,8 @@ from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
 from lm_systems.bench.report import RESULTS_DIR, write_results
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
-from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer,
-                                 gradient_process_group)
+from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP,
+                                 OverlappedStepOptimizer, ShardedOptimizer, gradient_process_group)
 
 GB = 1e9
 DEFAULT_VARIANTS = ["single", "torch_ddp", "torch_ddp_view", "naive", "naive_flat", "overlap", "bucketed_1",
@@ -100,6 +104,7 @@ class Variant:
     launch_thread: bool = False
     exchange_stages: int | None = None  # zero1's; None: ShardedOptimizer's default
     copy_engine: bool = False  # bucketed / zero1 averaging by peer copies (allreduce="copy_engine")
+    step_stages: int | None = None  # OverlappedStepOptimizer's stages; None: a plain AdamW after the sync
     local: bool = False  # diagnostic: the container without its gradient collectives
 
     @classmethod
@@ -125,11 +130,14 @@ class Variant:
                 fields["exchange_stages"] = int(option[6:])
             elif option == "ce":
                 fields["copy_engine"] = True
+            elif option.startswith("ostep") and option[5:].isdigit() and int(option[5:]) >= 1:
+                fields["step_stages"] = int(option[5:])
             elif option == "local":
                 fields["local"] = True
             else:
                 raise ValueError(f"unknown option {option!r} in variant {name!r} "
-                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>, +ce, +local)")
+                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>, +ce, +ostep<k>, "
+                                 "+local)")
         if options and base in ("single", "no_comm"):
             raise ValueError(f"{base} communicates nothing: it takes no communication options")
         if fields.get("launch_thread") and not (base == "overlap" or base.startswith(("bucketed_", "zero1"))):
@@ -139,6 +147,8 @@ class Variant:
             raise ValueError(f"+stages<k> sets zero1's exchange pipeline, not {base!r}'s")
         if fields.get("copy_engine") and not base.startswith(("bucketed_", "zero1")):
             raise ValueError(f"+ce averages DDPBucketed's buckets (bucketed_<MB>, zero1), not {base!r}'s")
+        if "step_stages" in fields and not (base == "overlap" or base.startswith("bucketed_")):
+            raise ValueError(f"+ostep<k> overlaps the step with overlap / bucketed_<MB>'s averaging, not {base!r}'s")
         if fields.get("local") and not (base == "torch_ddp" or base.startswith("bucketed_")):
             raise ValueError(f"+local applies to torch_ddp and bucketed_<MB>, not {base!r}")
         if fields.get("local") and any(fields.get(k) for k in ("copy_engine", "bf16_comm", "high_priority", "max_ctas")):
@@ -176,6 +186,11 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
         model = TransformerLM(config)
     if compile_mode is not None:
         model.compile_blocks(mode=compile_mode)
+        # The blocks compile on their first call, inside torch DDP's forward for torch_ddp; dynamo's
+        # DDPOptimizer, made for a whole model compiled under DDP, would then cut every block's graph
+        # at DDP's bucket boundaries (torch_ddp: 134-144 ms a step with it, 101 ms without, xl on two
+        # H200s under reduce-overhead). Blocks compiled whole are torch DDP's best case: the baseline.
+        torch._dynamo.config.optimize_ddp = False
     adamw = dict(lr=lr, fused=device.type == "cuda")
     comm = dict(process_group=group, grad_comm_dtype=torch.bfloat16 if variant.bf16_comm else None)
     base = variant.base
@@ -213,6 +228,10 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
         container = containers[base]()
     if variant.local:
         container._averager = _SendNothing()  # after construction: the start-up broadcast still ran
+    if variant.step_stages is not None:  # the step finishes the synchronisation itself
+        optimizer = OverlappedStepOptimizer(model.parameters(), container, torch.optim.AdamW,
+                                            stages=variant.step_stages, **adamw)
+        return Run(container, optimizer, cleanup=[container.remove_hooks])
     return Run(container, torch.optim.AdamW(model.parameters(), **adamw), container.finish_gradient_synchronization,
                [container.remove_hooks])
 

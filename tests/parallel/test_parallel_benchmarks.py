@@ -30,11 +30,11 @@ def test_comm_bench_all_reduces_in_chunks_and_names_bad_options(tmp_path):
 def test_ddp_bench_compares_variants_and_keeps_replicas_equal(tmp_path):
     ddp.main(["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device",
               "cpu", "--nproc", "2", "--steps", "1", "--warmup", "1", "--instrumented-steps", "1", "--rounds", "1",
-              "--variants", "single,torch_ddp,bucketed_1,zero1,bucketed_1+hp+bf16",
+              "--variants", "single,torch_ddp,bucketed_1,zero1,bucketed_1+hp+bf16,bucketed_1+ostep3",
               "--out-dir", str(tmp_path)])
     with open(tmp_path / "ddp_tiny_2cpu.csv") as f:
         summary = {row["variant"]: row for row in csv.DictReader(f)}
-    assert list(summary) == ["single", "torch_ddp", "bucketed_1", "zero1", "bucketed_1+hp+bf16"]
+    assert list(summary) == ["single", "torch_ddp", "bucketed_1", "zero1", "bucketed_1+hp+bf16", "bucketed_1+ostep3"]
     assert all(row["replicas_equal"] == "True" for row in summary.values())
     assert float(summary["torch_ddp"]["vs_torch_ddp"]) == 1.0
     # ZeRO-1 keeps half of AdamW's state per rank on two ranks.
@@ -58,7 +58,8 @@ def test_ddp_bench_names_a_bad_variant_or_option():
                       ("single+bf16", "takes no communication options"), ("torch_ddp+thread", "not 'torch_ddp'"),
                       ("bucketed_25+stages2", "not 'bucketed_25'"), ("zero1+stages0", "unknown option 'stages0'"),
                       ("no_comm+hp", "takes no communication options"), ("torch_ddp+ce", "not 'torch_ddp'"),
-                      ("zero1+local", "not 'zero1'"), ("bucketed_25+local+bf16", "sends nothing")):
+                      ("zero1+local", "not 'zero1'"), ("bucketed_25+local+bf16", "sends nothing"),
+                      ("torch_ddp+ostep2", "not 'torch_ddp'"), ("bucketed_25+ostep0", "unknown option 'ostep0'")):
         with pytest.raises(SystemExit):
             ddp.parse_args(["--device", "cpu", "--variants", bad])
         with pytest.raises(ValueError, match=said):
@@ -76,6 +77,7 @@ def test_variant_options_parse():
     assert ddp.Variant.parse("bucketed_25+thread+ce").copy_engine and ddp.Variant.parse("zero1+ce").copy_engine
     assert not ddp.Variant.parse("bucketed_25").copy_engine
     assert ddp.Variant.parse("bucketed_25+thread+local").local and ddp.Variant.parse("torch_ddp+local").local
+    assert ddp.Variant.parse("bucketed_25+ce+ostep4").step_stages == 4 and ddp.Variant.parse("zero1").step_stages is None
 
 
 def test_paired_bench_alternates_variants_and_reports_ratios(tmp_path):
