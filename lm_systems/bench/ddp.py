@@ -78,6 +78,7 @@ DEFAULT_VARIANTS = ["single", "torch_ddp", "torch_ddp_view", "naive", "naive_fla
                     "torch_zero"]
 EXTRA_VARIANTS = ["no_comm"]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+VARIANT_OPTIONS = "+hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>, +ce, +ostep<k>, +local"
 MATRIX_STRATEGIES = ["single", "naive", "bucketed_25", "torch_ddp"]
 TIMELINE_COLUMNS = ["comm_ms", "comm_hidden_frac", "comm_exposed_ms", "gpu_idle_ms", "gpu_span_ms"]
 
@@ -135,9 +136,7 @@ class Variant:
             elif option == "local":
                 fields["local"] = True
             else:
-                raise ValueError(f"unknown option {option!r} in variant {name!r} "
-                                 "(options: +hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>, +ce, +ostep<k>, "
-                                 "+local)")
+                raise ValueError(f"unknown option {option!r} in variant {name!r} (options: {VARIANT_OPTIONS})")
         if options and base in ("single", "no_comm"):
             raise ValueError(f"{base} communicates nothing: it takes no communication options")
         if fields.get("launch_thread") and not (base == "overlap" or base.startswith(("bucketed_", "zero1"))):
@@ -599,7 +598,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_setup_args(parser)
     parser.add_argument("--variants", type=variant_names, default=DEFAULT_VARIANTS,
                         help="comma-separated; bucketed_<MB> for any bucket size; options after '+': "
-                             "+hp, +normal, +ctas<k>, +bf16, +carve<k>, +thread, +stages<k>, +ce (see above)")
+                             f"{VARIANT_OPTIONS} (see above)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one extra step per visit: NCCL time, share hidden under compute, GPU idle")
     parser.add_argument("--matrix", action="store_true",

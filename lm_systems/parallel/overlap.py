@@ -126,12 +126,13 @@ class OverlappedDDP(DataParallelModule):
         self._presence.launch(local)
         # Which parameters keep ``grad = None`` is known without the presence all-reduce when this rank
         # holds every gradient; otherwise read it first (a host sync), before any unit is handed out.
-        if not all(local):
+        holds_every_gradient = all(local)
+        if not holds_every_gradient:
             self._settle_presence(self._presence.wait())
         for unit, work in enumerate(self._works):
             work.wait()
             yield unit
-        if all(local):
+        if holds_every_gradient:
             self._presence.wait()
         self._reset()
 

@@ -64,8 +64,3 @@ class OverlappedStepOptimizer(StagedOptimizer):
             for stage in self._stage_ends.get(unit, ()):
                 self._stages[stage].step()
         return loss
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        for optimizer in self._stages:  # Optimizer.load_state_dict replaced self.state with a new dict
-            optimizer.state = self.state

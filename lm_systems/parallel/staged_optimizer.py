@@ -15,7 +15,8 @@ class StagedOptimizer(Optimizer):
 
     ``param_groups`` are the full groups (learning-rate schedulers, clipping and ``zero_grad`` see every
     parameter), showing every hyperparameter ``optimizer_cls`` fills in, so ``state_dict()`` has a plain
-    ``optimizer_cls``'s layout; ``prepare_step`` copies the groups' hyperparameters into the stages.
+    ``optimizer_cls``'s layout; ``prepare_step`` copies the groups' hyperparameters into the stages, and
+    ``load_state_dict`` keeps the stages sharing the loaded state.
     Subclasses set whatever ``stage_params`` needs before calling ``__init__`` (it adds the groups).
     """
 
@@ -57,3 +58,8 @@ class StagedOptimizer(Optimizer):
             for stage in self._stages:
                 stage.param_groups[index].update(hyperparameters)
         return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for optimizer in self._stages:  # Optimizer.load_state_dict replaced self.state with a new dict
+            optimizer.state = self.state
