@@ -1,9 +1,11 @@
-"""Data parallelism in plain torch.distributed (no Lightning): gradient-averaging containers and ZeRO-1.
+"""Data parallelism in plain torch.distributed (no Lightning): gradient-averaging containers, ZeRO-1 and ZeRO-3.
 
 - ``NaiveDDP(module, flat=False)``: all-reduce after backward, per parameter or flattened.
 - ``DDPIndividualParameters(module)``: per-parameter async all-reduce launched during backward.
 - ``DDPBucketed(module, bucket_size_mb)``: bucketed async all-reduce, gradients as bucket views.
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
+- ``FullyShardedDataParallel(module, compute_dtype=None, unit_types=None)``: parameters, gradients and optimizer
+  state sharded over ranks (ZeRO stage 3), each unit gathered just before its forward and its backward.
 - ``OverlappedStepOptimizer(params, ddp, optimizer_cls, stages)``: the step of the first-averaged buckets
   overlapped with the averaging of the last ones.
 - ``gradient_process_group()``: an NCCL group with a high-priority stream for the containers' all-reduces.
@@ -12,6 +14,7 @@
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.bucketed import DDPBucketed, assign_buckets
 from lm_systems.parallel.collectives import gradient_process_group
+from lm_systems.parallel.fully_sharded import FullyShardedDataParallel
 from lm_systems.parallel.naive import NaiveDDP
 from lm_systems.parallel.overlap import DDPIndividualParameters, OverlappedDDP
 from lm_systems.parallel.overlapped_step import OverlappedStepOptimizer
@@ -21,6 +24,7 @@ __all__ = [
     "DDPBucketed",
     "DDPIndividualParameters",
     "DataParallelModule",
+    "FullyShardedDataParallel",
     "NaiveDDP",
     "OverlappedDDP",
     "OverlappedStepOptimizer",

@@ -1,0 +1,360 @@
+"""FullyShardedDataParallel (ZeRO-3): parameters, gradients and optimizer state sharded over the ranks."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lm_systems.parallel.base import DataParallelModule
+from lm_systems.parallel.collectives import GradPresence
+from lm_systems.parallel.sharded_unit import PendingReduction, ShardedParam, ShardedUnit, shard_rows
+
+
+def default_unit_types() -> tuple[type[nn.Module], ...]:
+    """Each Transformer block, and every linear or embedding layer outside one."""
+    from lm_systems.model import TransformerBlock
+
+    return TransformerBlock, nn.Linear, nn.Embedding
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done (its weight
+    gradients are accumulated first: autograd runs gradient accumulation as soon as it is ready)."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors: torch.Tensor):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.callback()
+        return (None, *grads)
+
+
+class FullyShardedDataParallel(DataParallelModule):
+    """ZeRO-3 over any module: each unit's parameters split by rows over the ranks, gathered only for its
+    forward and its backward, gradients reduce-scattered back into the shards.
+
+    Units are the outermost submodules of ``unit_types`` (default: each TransformerBlock and every
+    nn.Linear / nn.Embedding outside one). A unit's parameter of shape (rows, *rest) becomes, on rank r,
+    an nn.Parameter of shape (ceil(rows / N), *rest) holding rows r·⌈rows/N⌉ onwards (the last ranks'
+    padded with zero rows), registered under the same name, so ``module.named_parameters()`` are what an
+    optimizer steps and they keep their names, dims and modules (weight-decay grouping by module type or
+    ndim still works). Parameters outside the units (norm weights outside blocks), scalars, and parameters
+    shared by several units stay whole on every rank, their gradients averaged after backward.
+
+    Per unit and step: before its forward, its shards are all-gathered (in ``compute_dtype``, if given,
+    which floating inputs are cast to as well) into full leaf parameters the unit computes with; after its
+    forward these are freed (storage released, autograd keeps its references); before its backward they
+    are gathered again; after it, the full gradients are reduce-scattered (summed; in ``grad_comm_dtype``
+    if given, else in the dtype they were computed in) and freed. The next unit's all-gather is started
+    ahead of time (in forward, the order of the previous forward; in backward, the reverse of this
+    one's), and a unit's reduce-scatter is waited for only after the next one is launched, so the
+    collectives overlap compute. ``finish_gradient_synchronization()`` waits for the last ones and writes
+    the mean over ranks into the shards' ``.grad`` (master dtype); frozen parameters are sharded and
+    gathered but get no gradients; a parameter no rank produced a gradient for keeps ``grad = None``.
+
+    ``no_sync()``: backward passes inside keep the unit's full gradients (in the compute dtype) and
+    communicate none, so gradient accumulation costs a full unsharded copy of the gradients on each
+    rank (the memory of plain DDP) until the next syncing backward reduce-scatters their sum; the gathers
+    themselves still communicate.
+
+    Every rank must run the same units in the same order, forward and backward (as torch FSDP requires);
+    a unit must not be torch.compiled (its hooks gather and free), and the module must be on its device
+    before wrapping. The optimizer steps the shards elementwise, so AdamW, Adam and SGD match
+    single-process training; an optimizer that takes per-tensor norms (LAMB, Adafactor) sees shards.
+    """
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
+                 unit_types: Iterable[type[nn.Module]] | None = None, process_group: dist.ProcessGroup | None = None,
+                 grad_comm_dtype: torch.dtype | None = None) -> None:
+        super().__init__(module, process_group, grad_comm_dtype)
+        self.compute_dtype = compute_dtype
+        unit_modules = _outermost(module, tuple(unit_types) if unit_types is not None else default_unit_types())
+        for prefix, unit in unit_modules:
+            if getattr(unit, "_compiled_call_impl", None) is not None:
+                raise ValueError(f"unit {prefix or 'the root'} is torch.compiled: FullyShardedDataParallel gathers and "
+                                 "frees its parameters in module hooks, which compilation would trace; wrap an "
+                                 "uncompiled module (with train.py: --model.compile false)")
+        self._units = [ShardedUnit(unit, prefix, params, process_group, compute_dtype, grad_comm_dtype)
+                       for (prefix, unit), params in zip(unit_modules, _assign_params(module, unit_modules)) if params]
+        self._sharded: dict[int, tuple[ShardedUnit, ShardedParam]] = {
+            id(p.shard): (unit, p) for unit in self._units for p in unit.params
+        }
+        self._replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in self._sharded]
+        self._presence = GradPresence(self._replicated, process_group) if self._replicated else None
+        self._forward_order: list[ShardedUnit] = []  # this forward's units, as they ran
+        self._predicted: list[ShardedUnit] = []  # the previous forward's, for prefetching
+        self._awaiting_backward: dict[ShardedUnit, None] = {}
+        self._reductions: deque[PendingReduction] = deque()
+        self._end_of_backward_queued = False
+        for unit in self._units:
+            self._add_hook(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
+            self._add_hook(unit.module.register_forward_hook(self._post_forward_hook(unit)))
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        for unit in self._units:  # a prefetch the last forward predicted but never used is stale now
+            unit.free()
+            unit.drop_prefetch()
+        if self._forward_order:
+            self._predicted, self._forward_order = self._forward_order, []
+        return self.module(*args, **kwargs)
+
+    def _pre_forward_hook(self, unit: ShardedUnit):
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            position = len(self._forward_order)
+            self._forward_order.append(unit)
+            unit.gather()
+            predicted = self._predicted
+            if position + 1 < len(predicted) and predicted[: position + 1] == self._forward_order:
+                predicted[position + 1].start_gather()
+            if self.compute_dtype is not None:
+                args, kwargs = tree_map(self._cast_input, (args, kwargs))
+            if torch.is_grad_enabled():
+                args, kwargs = self._mark_post_backward(unit, args, kwargs)
+            return args, kwargs
+
+        return hook
+
+    def _cast_input(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.compute_dtype)
+        return value
+
+    def _mark_post_backward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        leaves, spec = tree_flatten((args, kwargs))
+        needing = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if needing:
+            marked = _PostBackward.apply(lambda: self._post_backward(unit), *(leaves[i] for i in needing))
+            for i, tensor in zip(needing, marked):
+                leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
+
+    def _post_forward_hook(self, unit: ShardedUnit):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            unit.free()
+            if not torch.is_grad_enabled():
+                return
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for tensor in outputs:
+                tensor.register_hook(lambda grad: self._pre_backward(unit))
+            if outputs:
+                self._awaiting_backward[unit] = None
+
+        return hook
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def _pre_backward(self, unit: ShardedUnit) -> None:
+        if not self._end_of_backward_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_of_backward_queued = True
+        unit.gather()
+        order = self._forward_order
+        position = len(order) - 1 - order[::-1].index(unit) if unit in order else 0
+        if position > 0 and order[position - 1] in self._awaiting_backward:
+            order[position - 1].start_gather()
+
+    def _post_backward(self, unit: ShardedUnit) -> None:
+        if unit not in self._awaiting_backward:
+            return
+        del self._awaiting_backward[unit]
+        if unit.trainable and self.require_backward_grad_sync:
+            self._reductions.append(unit.start_reduce_scatter())
+            while len(self._reductions) > 1:  # keep one reduce-scatter in flight: bounded memory, still overlapped
+                pending = self._reductions.popleft()
+                pending.unit.finish_reduce_scatter(pending)
+        unit.free()
+
+    def _end_of_backward(self) -> None:
+        """Autograd's final callback: units whose inputs needed no gradient (the first layer) end here."""
+        for unit in reversed(list(self._awaiting_backward)):
+            self._post_backward(unit)
+        for unit in self._units:
+            unit.drop_prefetch()
+            unit.free()
+        self._end_of_backward_queued = False
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        while self._reductions:
+            pending = self._reductions.popleft()
+            pending.unit.finish_reduce_scatter(pending)
+        if not self._replicated:
+            return
+        local = [p.grad is not None for p in self._replicated]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
+                          for p in self._replicated])
+        self._presence.launch(local)
+        self._averager.average(flat)
+        chunks = flat.split([p.numel() for p in self._replicated])
+        for param, chunk, anywhere in zip(self._replicated, chunks, self._presence.wait()):
+            param.grad = chunk.view_as(param).to(param.dtype) if anywhere else None
+
+    # -- clipping ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every local gradient (shards and replicated) so the global norm is at most ``max_norm``;
+        returns the global norm before clipping (a collective; as torch FSDP's ``clip_grad_norm_``).
+
+        The sharded gradients' norms are combined over ranks, padding rows excluded; replicated
+        gradients, equal on every rank after synchronisation, are counted once."""
+        norm_type = float(norm_type)
+        sharded = [p.valid_rows(p.shard.grad, unit.rank) for unit in self._units for p in unit.trainable
+                   if p.shard.grad is not None]
+        replicated = [p.grad for p in self._replicated if p.grad is not None]
+        device = next(self.module.parameters()).device
+        local = _total_norm(sharded, norm_type, device)
+        if math.isinf(norm_type):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = torch.maximum(local, _total_norm(replicated, norm_type, device))
+        else:
+            local.pow_(norm_type)
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
+            total = (local + _total_norm(replicated, norm_type, device) ** norm_type) ** (1.0 / norm_type)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [p.shard.grad for unit in self._units for p in unit.trainable if p.shard.grad is not None]
+        for grad in grads + replicated:
+            grad.mul_(scale.to(grad.device, grad.dtype))
+        return total
+
+    # -- full parameters and state -----------------------------------------------------------
+
+    @torch.no_grad()
+    def gather_full_params(self, offload_to_cpu: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter's full value (master dtype) by name, tied names included (a collective; one
+        unit gathered at a time, moved to the CPU with ``offload_to_cpu``)."""
+        full: dict[str, torch.Tensor] = {}
+        for unit in self._units:
+            for param, value in zip(unit.params, unit.gather_masters()):
+                for name in param.names:
+                    full[name] = value.cpu() if offload_to_cpu else value
+        ordered = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            value = full.get(name, param.detach())
+            ordered[name] = value.cpu() if offload_to_cpu else value
+        return ordered
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The wrapped module's ``state_dict()`` with every shard replaced by the full parameter, on the CPU
+        (a collective)."""
+        full = self.gather_full_params(offload_to_cpu=True)
+        return {name: full.get(name, value) for name, value in self.module.state_dict().items()}
+
+    def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load an unsharded state dict of the wrapped module: each rank keeps its rows of each sharded one."""
+        converted = dict(state_dict)
+        for unit in self._units:
+            for param in unit.params:
+                for name in param.names:
+                    if name in converted:
+                        converted[name] = self._shard_of(param, converted[name], name)
+        self.module.load_state_dict(converted, strict=strict)
+
+    def _shard_of(self, param: ShardedParam, full: torch.Tensor, name: str) -> torch.Tensor:
+        if full.shape != param.shape:
+            raise ValueError(f"{name}: the state holds shape {tuple(full.shape)}, the model {tuple(param.shape)}: "
+                             "it belongs to a different model")
+        return shard_rows(full, self.rank, self.world_size)
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state dict as the same optimizer over the unsharded parameters would hold it, on
+        the CPU (a collective: every rank calls it). State tensors of a shard's shape are gathered whole;
+        others (AdamW's ``step``) are the same on every rank and kept."""
+        saved = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {}
+        for index, values in saved["state"].items():
+            owner = self._sharded.get(id(params[index]))
+            state[index] = {
+                key: _to_cpu(owner[0].gather_like(owner[1], value)
+                             if owner and isinstance(value, torch.Tensor) and value.shape == params[index].shape
+                             else value)
+                for key, value in values.items()
+            }
+        return {"state": state, "param_groups": saved["param_groups"]}
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded state dict of ``optimizer``'s class (from ``full_optimizer_state_dict``, or from
+        training without sharding, at any world size): this rank keeps its rows."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {}
+        for index, values in state_dict["state"].items():
+            owner = self._sharded.get(id(params[index]))
+            state[index] = {
+                key: self._shard_of(owner[1], value, f"optimizer state {key!r} of parameter {index}")
+                if owner and isinstance(value, torch.Tensor) and value.shape == owner[1].shape
+                else value
+                for key, value in values.items()
+            }
+        optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def remove_hooks(self) -> None:
+        """Remove the hooks and give the module its full parameters back (a collective; gradients dropped)."""
+        super().remove_hooks()
+        for unit in self._units:
+            unit.drop_prefetch()
+            unit.free()
+            for param, value in zip(unit.params, unit.gather_masters()):
+                restored = nn.Parameter(value, requires_grad=param.shard.requires_grad)
+                for module, name in param.slots:
+                    module._parameters[name] = restored
+        self._units, self._sharded = [], {}
+        self._replicated = [p for p in self.module.parameters() if p.requires_grad]
+        self._presence = GradPresence(self._replicated, self.process_group) if self._replicated else None
+
+
+def _outermost(module: nn.Module, unit_types: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``unit_types`` not inside another such submodule, in registration order."""
+    units: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        inside = any(prefix == "" or name.startswith(prefix + ".") for prefix, _ in units)
+        if isinstance(sub, unit_types) and not inside:
+            units.append((name, sub))
+    return units
+
+
+def _assign_params(module: nn.Module, units: list[tuple[str, nn.Module]]):
+    """Per unit, its parameters to shard as (parameter, [(owning module, attribute)], [qualified names]):
+    those with at least one dim held inside exactly that unit; the rest stay replicated."""
+    homes: dict[int, set[str | None]] = {}
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    names: dict[int, list[str]] = {}
+    first_seen: dict[int, nn.Parameter] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner, _, attr = name.rpartition(".")
+        home = next((prefix for prefix, _ in units if prefix == "" or name.startswith(prefix + ".")), None)
+        homes.setdefault(id(param), set()).add(home)
+        slots.setdefault(id(param), []).append((module.get_submodule(owner), attr))
+        names.setdefault(id(param), []).append(name)
+        first_seen.setdefault(id(param), param)
+    per_unit = []
+    for prefix, _ in units:
+        per_unit.append([(p, slots[key], names[key]) for key, p in first_seen.items()
+                         if homes[key] == {prefix} and p.ndim >= 1])
+    return per_unit
+
+
+def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+    return torch.linalg.vector_norm(norms, norm_type).to(device)
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,174 @@
+"""FullyShardedDataParallel (ZeRO-3) on two gloo ranks against single-process training on the global batch."""
+
+import pytest
+import torch
+
+from fully_sharded_workers import (CLIP, COMPUTE_DTYPES, UNITS, ShardToy, global_batches, loss_of, make_optimizer,
+                                   run_fully_sharded)
+from lm_systems.parallel import FullyShardedDataParallel
+
+# fp32: the same arithmetic as one process up to summation order (measured 1.2e-7). bf16 / fp16: each rank's
+# gradient of half the batch is rounded to the compute dtype and the two summed in it, where one process
+# rounds the whole batch's once: after 3 steps at lr 0.05 the weights differ by 1.1e-4 (bf16) and 2.1e-5
+# (fp16), half of what computing in float32 instead moves them (2.7e-4, 4.5e-5: see the next test).
+TOLERANCE = {"fp32": 1e-5, "bf16": 1.6e-4, "fp16": 3.2e-5}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, spawn_two_ranks):
+    out = tmp_path_factory.mktemp("fully_sharded")
+    spawn_two_ranks(run_fully_sharded, out)
+    return [torch.load(out / f"fully_sharded_rank{r}.pt") for r in range(2)]
+
+
+def assert_params_close(actual: dict, expected: dict, atol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name].detach(), expected[name].detach(), atol=atol, rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_gathered_parameters_match_one_process_on_the_global_batch(runs, dtype):
+    """Inputs differ per rank; 2 micro-batches accumulated (the first under no_sync); clipped every step."""
+    reference = runs[0][dtype]["reference"]
+    for rank in range(2):
+        assert_params_close(runs[rank][dtype]["final"], reference, TOLERANCE[dtype])
+    assert not torch.equal(reference["hidden.weight"], runs[0][dtype]["initial"]["hidden.weight"]), "it trained"
+    assert torch.equal(runs[0][dtype]["final"]["frozen.weight"], runs[0][dtype]["initial"]["frozen.weight"])
+    assert torch.equal(runs[0][dtype]["final"]["never_used.weight"], runs[0][dtype]["initial"]["never_used.weight"])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_tolerance_tells_the_compute_dtype_from_float32(runs, dtype):
+    """Training in float32 would miss the low-precision reference by more than its tolerance."""
+    fp32, reference = runs[0]["fp32"]["final"], runs[0][dtype]["reference"]
+    largest = max((fp32[name] - reference[name]).abs().max().item() for name in reference)
+    assert largest > TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_clip_grad_norm_returns_the_global_norm(runs, dtype):
+    for rank in range(2):
+        torch.testing.assert_close(torch.stack(runs[rank][dtype]["norms"]), torch.stack(runs[0][dtype]["reference_norms"]),
+                                   rtol=1e-5 if dtype == "fp32" else 1e-2, atol=0)
+    assert min(runs[0][dtype]["reference_norms"]) > CLIP, "every step clips"
+
+
+def test_each_rank_holds_its_rows_and_parameters_outside_units_whole(runs):
+    shapes = runs[0]["fp32"]["shard_shapes"]
+    assert shapes["embed.weight"] == (19, 13)  # 37 rows: 19 per rank, one padding row on rank 1
+    assert shapes["hidden.bias"] == (7,)
+    assert shapes["never_used.bias"] == (2,)  # 3 rows
+    assert shapes["frozen.weight"] == (7, 13)  # frozen parameters are sharded too
+    for replicated in ("gain", "block.gain", "tied_a.weight"):
+        assert shapes[replicated] == tuple(ShardToy().get_parameter(replicated).shape)
+
+
+def test_gradients_are_left_none_where_one_process_leaves_them(runs):
+    for rank in range(2):
+        grad_is_none = runs[rank]["fp32"]["grad_is_none"]
+        assert grad_is_none["never_used.weight"] and grad_is_none["never_used.bias"] and grad_is_none["frozen.weight"]
+        assert not grad_is_none["hidden.weight"] and not grad_is_none["gain"] and not grad_is_none["tied_a.weight"]
+
+
+def test_no_sync_communicates_no_gradients_and_the_sync_reduce_scatters_during_backward(runs):
+    for rank in range(2):
+        for no_sync, sync in runs[rank]["fp32"]["logs"]:
+            assert "reduce_scatter" not in no_sync and "all_gather" in no_sync
+            # Five units that run hold trainable parameters: one reduce-scatter each, the first ones launched
+            # while earlier units are still being gathered for their backward.
+            assert sync.count("reduce_scatter") == 5
+            backward = sync[sync.index("forward head") :]
+            assert backward.index("reduce_scatter") < len(backward) - 1 - backward[::-1].index("all_gather")
+
+
+def test_the_next_units_gather_is_launched_before_this_unit_computes(runs):
+    """Second step onwards, forward: the all-gather of unit k+1 is under way before unit k's forward ends."""
+    _, sync = runs[0]["fp32"]["logs"][1]
+    forward = [e for e in sync if e.startswith("forward")]
+    assert forward == [f"forward {u}" for u in ("embed", "hidden", "frozen", "block.up", "block.down", "head")]
+    first_compute = sync.index("forward embed")
+    assert sync[:first_compute].count("all_gather") == 2, sync
+
+
+def test_teardown_leaves_full_parameters_and_no_hooks(runs):
+    for rank in range(2):
+        run = runs[rank]["fp32"]
+        assert run["hooks_left"] == 0
+        assert_params_close(run["unwrapped"], {n: v for n, v in run["final"].items() if n != "tied_b.weight"}, atol=0)
+
+
+def test_full_state_dict_is_the_unsharded_modules(runs):
+    state = runs[0]["fp32"]["full_state"]
+    assert state.keys() == ShardToy().state_dict().keys()
+    assert_params_close({k: v for k, v in state.items() if k != "scale"}, runs[0]["fp32"]["final"], atol=0)
+
+
+def test_full_optimizer_state_is_the_single_process_adamws(runs):
+    assert_optimizer_states_close(runs[0]["fp32"]["full_optimizer"], runs[0]["fp32"]["reference_optimizer"])
+    assert_optimizer_states_close(runs[1]["fp32"]["full_optimizer"], runs[0]["fp32"]["reference_optimizer"])
+
+
+def assert_optimizer_states_close(actual: dict, expected: dict) -> None:
+    assert actual["param_groups"] == expected["param_groups"]
+    assert actual["state"].keys() == expected["state"].keys()
+    for index, values in expected["state"].items():
+        assert actual["state"][index].keys() == values.keys()
+        for key, value in values.items():
+            torch.testing.assert_close(actual["state"][index][key], value, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m: f"param {index} {key}: {m}")
+
+
+def test_checkpoint_from_two_ranks_resumes_on_one(runs, single_rank_group):
+    """World size 2's full weights and optimizer state loaded at world size 1: the same state, and one
+    more step lands where the single-process reference's does."""
+    run = runs[0]["fp32"]
+    model = FullyShardedDataParallel(ShardToy())
+    model.load_full_state_dict(run["full_state"])
+    optimizer = make_optimizer(model.module.parameters())
+    optimizer.load_state_dict(make_optimizer(ShardToy().parameters()).state_dict())  # fresh, then overwritten
+    model.load_full_optimizer_state_dict(optimizer, run["full_optimizer"])
+    assert_optimizer_states_close(model.full_optimizer_state_dict(optimizer), run["reference_optimizer"])
+
+    reference = ShardToy()
+    reference.load_state_dict(run["full_state"])
+    reference_optimizer = make_optimizer(reference.parameters())
+    reference_optimizer.load_state_dict(run["reference_optimizer"])
+    tokens = global_batches()[0][0, 0]
+    for net, opt, sharded in ((model, optimizer, True), (reference, reference_optimizer, False)):
+        opt.zero_grad()
+        loss_of(net(tokens[:, :-1]), tokens).backward()
+        if sharded:
+            net.finish_gradient_synchronization()
+        opt.step()
+    assert_params_close(model.gather_full_params(), dict(reference.named_parameters(remove_duplicate=False)), 1e-5)
+
+
+def test_resident_parameter_and_gradient_bytes_are_a_shard(runs):
+    """Between steps each rank holds its rows of every unit parameter (at most one padding row each) and the
+    replicated norm weights, for parameters and gradients alike; no gathered copy stays allocated."""
+    for rank in range(2):
+        memory = runs[rank]["memory"]
+        assert memory["gathered"] == 0
+        shapes = memory["model_shapes"]
+        replicated = shapes["final_norm.weight"][0][0] * 4
+        sharded = {n: s for n, s in shapes.items() if n != "final_norm.weight"}
+        total = sum(torch.Size(shape).numel() * size for shape, size in sharded.values())
+        padding = sum(torch.Size(shape[1:]).numel() * size for shape, size in sharded.values())  # one row each
+        assert memory["resident"] <= 2 * (total / 2 + padding + replicated)
+        assert memory["resident"] >= 2 * (total / 2 + replicated)
+
+
+def test_compiled_unit_is_refused(single_rank_group):
+    model = ShardToy()
+    model.hidden.compile()
+    with pytest.raises(ValueError, match="--model.compile false"):
+        FullyShardedDataParallel(model)
+
+
+def test_units_are_the_outermost_modules_of_the_given_types(single_rank_group):
+    model = FullyShardedDataParallel(ShardToy(), unit_types=(torch.nn.Embedding, type(ShardToy().block)))
+    assert [unit.prefix for unit in model._units] == ["embed", "block"]
+    assert tuple(model.module.block.up.weight.shape) == (26, 13)  # world size 1: a shard is the whole
+    assert sorted(UNITS) == sorted(u.prefix for u in FullyShardedDataParallel(ShardToy())._units)
