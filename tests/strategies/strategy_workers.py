@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import strategies  # noqa: F401  (registers the strategy names in worker processes too)
-from lm_systems.parallel import ShardedOptimizer
+from lm_systems.parallel import ShardedOptimizer, sharded_unit
 from lm_systems.parallel.collectives import GradientAverager
 from strategies import BucketedDDPStrategy, Zero1Strategy
 
@@ -25,6 +25,8 @@ MICRO_BATCH, ACCUMULATE, WORLD = 3, 2, 2
 STEPS_PER_EPOCH, EPOCHS = 2, 2
 COMMUNICATING = [(dist, name) for name in ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")]
 COMMUNICATING.append((GradientAverager, "start"))  # the containers' gradient all-reduces bypass dist.all_reduce
+COMMUNICATING.append((sharded_unit, "_reduce_scatter_flat"))  # zero3's gradient reduce-scatters
+CHECKPOINTED = ("zero1", "zero3")  # keep their end-of-epoch checkpoints, then resume from epoch 0's
 
 
 def token_windows(seed: int, count: int) -> torch.Tensor:
@@ -137,6 +139,7 @@ class Recorder(Callback):
             "launch_thread": self.launch_thread,
             "unwrapped": trainer.strategy.model is pl_module,
             "hooks_left": sum(bool(p._post_accumulate_grad_hooks) for p in pl_module.parameters()),
+            "module_hooks_left": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in pl_module.modules()),
             "launch_threads_alive": sum(t.name == "lm_systems-launch" for t in threading.enumerate()),
         }
         optimizer = trainer.optimizers[0]
@@ -197,27 +200,48 @@ def join_as_launched_process(rank: int, world_size: int, port: int) -> None:
 
 
 def run_cpu_strategies(rank: int, world_size: int, port: int, out_dir: str, names: list[str]) -> None:
-    """Each strategy once; zero1 keeps its end-of-epoch checkpoints and is then resumed from epoch 0's."""
+    """Each strategy once; the CHECKPOINTED ones keep their end-of-epoch checkpoints and are then resumed
+    from epoch 0's."""
     join_as_launched_process(rank, world_size, port)
     try:
         for name in names:
-            if name == "zero1":
-                checkpoint = ModelCheckpoint(dirpath=Path(out_dir) / "zero1_ckpt", every_n_epochs=1, save_top_k=-1,
+            if name in CHECKPOINTED:
+                checkpoint = ModelCheckpoint(dirpath=Path(out_dir) / f"{name}_ckpt", every_n_epochs=1, save_top_k=-1,
                                              save_on_train_epoch_end=True)
                 trainer = make_trainer(name, world_size, out_dir, name, callbacks=[checkpoint])
             else:
                 trainer = make_trainer(make_strategy(name), world_size, out_dir, name, enable_checkpointing=False)
             trainer.fit(TinyLM(), datamodule=TinyData())
-        if "zero1" in names:
-            trainer = make_trainer("zero1", world_size, out_dir, "zero1_resumed", enable_checkpointing=False)
-            trainer.fit(TinyLM(), datamodule=TinyData(), ckpt_path=str(zero1_epoch0_checkpoint(out_dir)))
+        for name in CHECKPOINTED:
+            if name in names:
+                trainer = make_trainer(name, world_size, out_dir, f"{name}_resumed", enable_checkpointing=False)
+                trainer.fit(TinyLM(), datamodule=TinyData(), ckpt_path=str(epoch0_checkpoint(out_dir, name)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def epoch0_checkpoint(out_dir, name: str) -> Path:
+    return Path(out_dir) / f"{name}_ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+
+
 def zero1_epoch0_checkpoint(out_dir) -> Path:
-    return Path(out_dir) / "zero1_ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+    return epoch0_checkpoint(out_dir, "zero1")
+
+
+class LossAndWeights(Callback):
+    """For train.py runs: each rank's training losses and, after the strategy's teardown, its full weights."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].item())
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        record = {"losses": self.losses, "final": {k: v.detach().clone() for k, v in pl_module.state_dict().items()}}
+        torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 
 def run_gpu_strategies(rank: int, world_size: int, port: int, out_dir: str, names: list[str],

@@ -1,0 +1,106 @@
+"""zero3: FullyShardedDataParallel (ZeRO-3: parameters, gradients and optimizer state sharded) as a Lightning strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, Optional
+
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch import Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import Tensor
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
+from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
+
+
+class Zero3Strategy(ContainerDDPStrategy):
+    """Trains through a FullyShardedDataParallel: each rank holds 1/N of every Transformer block's (and
+    every outside linear or embedding layer's) parameters, gradients and optimizer state.
+
+    ``configure_optimizers`` sees the shards (same names, modules and dims), so the user's optimizer and
+    schedulers drive them unchanged. Accumulation (``accumulate_grad_batches``) keeps unsharded gradients
+    between boundaries (the container's ``no_sync``). Clipping by norm, through ``gradient_clip_val`` or
+    the container's ``clip_grad_norm_``, takes the global norm over all ranks' shards; with ``16-mixed``
+    the GradScaler is torch's ShardedGradScaler, which agrees on skipped steps across ranks.
+
+    ``compute_dtype`` ("bf16" / "fp16") gathers weights in that dtype for compute (half the all-gather
+    bytes; masters and optimizer stay float32). Left unset under ``bf16-mixed``, weights are gathered in
+    float32 and autocast casts them per operation: the numerics of the other strategies, but every
+    weight's bf16 copy is then kept by autograd from its forward to its backward (2 bytes a parameter
+    at peak). With ``compute_dtype: bf16`` the gathered weights are those copies, freed after use,
+    while embeddings and the residual stream are computed in bf16 too.
+
+    Checkpoints hold the LightningModule's full (unsharded) state dict and each optimizer's full state
+    in the plain optimizer's format, gathered by every rank and saved by rank 0: they resume under zero3
+    on any number of devices, or under any other strategy; zero3 loads those of other strategies.
+    """
+
+    strategy_name = "zero3"
+    strategy_description = "ZeRO-3: FullyShardedDataParallel, parameters, gradients and optimizer state sharded"
+
+    def __init__(self, compute_dtype: Optional[Literal["bf16", "fp16"]] = None, **kwargs: Any) -> None:
+        if compute_dtype is not None and compute_dtype not in COMM_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {sorted(COMM_DTYPES)} or None, got {compute_dtype!r} "
+                             "(--strategy zero3: strategy init_args.compute_dtype)")
+        super().__init__(**kwargs)
+        self._compute_dtype = COMM_DTYPES.get(compute_dtype) if compute_dtype else None
+
+    @override
+    def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
+        return FullyShardedDataParallel(module, compute_dtype=self._compute_dtype, **comm)
+
+    @property
+    def _sharded(self) -> Optional[FullyShardedDataParallel]:
+        return self.model if isinstance(self.model, FullyShardedDataParallel) else None
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if self._sharded is None:  # not fitting: the module stays whole on every rank
+            return
+        plugin = self.precision_plugin
+        # Precision.clip_gradients (gradient_clip_val) would take each rank's own shards' norm.
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.model.clip_grad_norm_(clip_val)
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            # A plain GradScaler finds infs only in this rank's shards: ranks would disagree on skipping.
+            plugin.scaler = ShardedGradScaler(process_group=self._grad_group or dist.group.WORLD)
+
+    # -- checkpoints: full weights and full optimizer state ----------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._sharded is None:
+            return super().lightning_module_state_dict()
+        return self._sharded.full_state_dict()  # a collective: Lightning asks every rank
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._sharded is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+        else:
+            self._sharded.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self._sharded is None:
+            return super().optimizer_state(optimizer)
+        state = self._sharded.full_optimizer_state_dict(optimizer)  # a collective: Lightning asks every rank
+        return state if self.is_global_zero else {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._sharded is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self._sharded.load_full_optimizer_state_dict(optimizer, state)
+            _optimizer_to_device(optimizer, self.root_device)

@@ -1,0 +1,129 @@
+"""zero3 on two CPU processes (gloo) against single-process training on the same global batch: accumulation,
+clipping by the global norm, LR schedule, validation, teardown, checkpoints resumed at world sizes 2 and 1;
+and `python train.py --strategy zero3_spawn` end to end."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import strategies
+from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, epoch0_checkpoint, make_trainer,
+                              run_cpu_strategies)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_ranks(out, tag: str, ranks: int = 2) -> list[dict]:
+    return [torch.load(out / f"{tag}_rank{r}.pt") for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero3")
+
+
+@pytest.fixture(scope="module")
+def reference(out_dir) -> dict:
+    """Single process, the whole global batch per micro-batch; the default (non-distributed) strategy."""
+    trainer = make_trainer("auto", 1, str(out_dir), "reference", enable_checkpointing=False)
+    trainer.fit(TinyLM(), datamodule=TinyData())
+    return torch.load(out_dir / "reference_rank0.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(out_dir) -> dict[str, list[dict]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run_cpu_strategies, args=(2, port, str(out_dir), ["zero3"]), nprocs=2, join=True)
+    return {name: load_ranks(out_dir, name) for name in ("zero3", "zero3_resumed")}
+
+
+def assert_state_close(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_trains_like_one_process_on_the_global_batch(runs, reference):
+    """Ranks start from different weights, accumulate 2 micro-batches, clip at 0.3 (by the global norm:
+    each rank's own shards' norm would clip differently), follow the LR schedule."""
+    assert min(reference["grad_norms"]) > 0.3, "every step clips"
+    for rank in range(2):
+        assert runs["zero3"][rank]["wrapper"] == "FullyShardedDataParallel"
+        assert_state_close(runs["zero3"][rank]["final"], reference["final"])
+        assert runs["zero3"][rank]["lrs"] == pytest.approx(reference["lrs"])
+        assert runs["zero3"][rank]["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+
+
+def test_accumulation_reduces_gradients_only_on_boundaries(runs):
+    for rank in range(2):
+        for batch_idx, calls in runs["zero3"][rank]["collectives_per_batch"]:
+            boundary = (batch_idx + 1) % ACCUMULATE == 0
+            assert (calls > 0) == boundary, f"batch {batch_idx}: {calls} collectives"
+
+
+def test_teardown_removes_hooks_and_unwraps(runs):
+    for rank in range(2):
+        assert runs["zero3"][rank]["unwrapped"]
+        assert runs["zero3"][rank]["module_hooks_left"] == 0
+
+
+def test_checkpoint_holds_full_weights_and_the_plain_optimizer_state(runs, out_dir):
+    saved = torch.load(epoch0_checkpoint(out_dir, "zero3"), weights_only=False)
+    shapes = {name: value.shape for name, value in TinyLM().state_dict().items()}
+    assert {name: value.shape for name, value in saved["state_dict"].items()} == shapes
+    (optimizer_state,) = saved["optimizer_states"]
+    trainable = [p for p in TinyLM().parameters() if p.requires_grad]
+    assert len(optimizer_state["state"]) == len(trainable) == 2 + 1  # hidden weight and bias, the tied embedding
+    for index, param in enumerate(trainable):
+        assert optimizer_state["state"][index]["exp_avg"].shape == param.shape
+
+
+def test_resumes_from_its_checkpoint_on_two_ranks(runs):
+    """Stopped after epoch 0 and resumed from its checkpoint: the uninterrupted run's trajectory."""
+    for rank in range(2):
+        assert_state_close(runs["zero3_resumed"][rank]["final"], runs["zero3"][rank]["final"])
+        assert runs["zero3_resumed"][rank]["lrs"] == pytest.approx(runs["zero3"][rank]["lrs"][STEPS_PER_EPOCH:])
+
+
+def test_resumes_from_its_checkpoint_on_one_process_without_sharding(runs, out_dir):
+    trainer = make_trainer("auto", 1, str(out_dir), "resumed_single", enable_checkpointing=False)
+    trainer.fit(TinyLM(), datamodule=TinyData(), ckpt_path=str(epoch0_checkpoint(out_dir, "zero3")))
+    (result,) = load_ranks(out_dir, "resumed_single", ranks=1)
+    assert_state_close(result["final"], runs["zero3"][0]["final"])
+    assert len(result["lrs"]) == STEPS_PER_EPOCH * (EPOCHS - 1)
+
+
+def test_bad_compute_dtype_names_the_option():
+    with pytest.raises(ValueError, match="init_args.compute_dtype"):
+        strategies.Zero3Strategy(compute_dtype="int8")
+
+
+def test_train_py_trains_on_two_spawned_cpu_processes(tmp_path):
+    """The tiny default through train.py: the loss falls and both ranks end with the same full weights."""
+    tiny = ["--model.d_model", "32", "--model.num_layers", "2", "--model.num_heads", "2", "--model.d_ff", "48",
+            "--model.context_length", "16", "--model.sample_prompt", "", "--model.warmup_steps", "2",
+            "--data.generated_stories", "300", "--data.vocab_size", "301", "--data.batch_size", "4",
+            "--data.val_batches", "1", "--trainer.val_check_interval", "4", "--trainer.enable_progress_bar", "false",
+            "--trainer.logger", "false"]
+    command = [sys.executable, str(REPO / "train.py"), "--strategy", "zero3_spawn", "--accelerator", "cpu",
+               "--devices", "2", "--max_steps", "8", *tiny, "--data.cache_dir", str(tmp_path / "cache"),
+               "--trainer.callbacks+=strategy_workers.LossAndWeights", f"--trainer.callbacks.out_dir={tmp_path}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "`Trainer.fit` stopped: `max_steps=8` reached" in done.stdout + done.stderr
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    losses = ranks[0]["losses"]
+    assert len(losses) == 8 and sum(losses[-2:]) < sum(losses[:2]) - 0.2, losses
+    for name, value in ranks[0]["final"].items():
+        assert torch.equal(value, ranks[1]["final"][name]), name
