@@ -19,7 +19,7 @@ from lm_systems.parallel.sharded_unit import PendingReduction, ShardedParam, Sha
 
 def default_unit_types() -> tuple[type[nn.Module], ...]:
     """Each Transformer block, and every linear or embedding layer outside one."""
-    from lm_systems.model import TransformerBlock
+    from lm_systems.model import TransformerBlock  # here: wrapping other modules needs no attention kernels
 
     return TransformerBlock, nn.Linear, nn.Embedding
 

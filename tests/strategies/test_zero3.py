@@ -109,7 +109,8 @@ def test_bad_compute_dtype_names_the_option():
 
 
 def test_train_py_trains_on_two_spawned_cpu_processes(tmp_path):
-    """The tiny default through train.py: the loss falls and both ranks end with the same full weights."""
+    """The tiny default through train.py: the loss falls, both ranks end with the same full weights, and the
+    last checkpoint holds them."""
     tiny = ["--model.d_model", "32", "--model.num_layers", "2", "--model.num_heads", "2", "--model.d_ff", "48",
             "--model.context_length", "16", "--model.sample_prompt", "", "--model.warmup_steps", "2",
             "--data.generated_stories", "300", "--data.vocab_size", "301", "--data.batch_size", "4",
@@ -127,3 +128,7 @@ def test_train_py_trains_on_two_spawned_cpu_processes(tmp_path):
     assert len(losses) == 8 and sum(losses[-2:]) < sum(losses[:2]) - 0.2, losses
     for name, value in ranks[0]["final"].items():
         assert torch.equal(value, ranks[1]["final"][name]), name
+    (checkpoint,) = tmp_path.rglob("step=8.ckpt")
+    saved = torch.load(checkpoint, weights_only=False)
+    for name, value in saved["state_dict"].items():  # full weights, as the unwrapped module holds them
+        assert torch.equal(value, ranks[0]["final"][name]), name
