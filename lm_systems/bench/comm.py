@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
-from lm_systems.bench.report import RESULTS_DIR, write_results
+from lm_systems.bench.report import add_out_dir_arg, write_results
 from lm_systems.parallel.peer_copy import CopyEngineAverager
 
 MB = 1_000_000
@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--timeout-s", type=int, default=300, help="process-group timeout")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    add_out_dir_arg(parser)
     parser.add_argument("--name", default=None, help="result file stem (default comm_<backend>_<nproc>proc)")
     args = parser.parse_args(argv)
     if args.backend == "auto":

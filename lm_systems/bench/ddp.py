@@ -66,7 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lm_systems.attention import attention_names
 from lm_systems.bench.gpu_timeline import profile_kernels
 from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
-from lm_systems.bench.report import RESULTS_DIR, write_results
+from lm_systems.bench.report import add_out_dir_arg, write_results
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
 from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP,
@@ -567,7 +567,7 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
                              "mode (default: 'default'; 'reduce-overhead' replays each block's kernels as CUDA "
                              "graphs); compiling happens in warm-up")
     parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    add_out_dir_arg(parser)
 
 
 def rank_config_and_batch(args: argparse.Namespace, rank: int, device: torch.device) -> tuple[ModelConfig, torch.Tensor]:

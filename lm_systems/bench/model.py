@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from lm_systems.attention import attention_names, resolve_attention_name
 from lm_systems.bench.ranks import synchronize
-from lm_systems.bench.report import write_results
+from lm_systems.bench.report import add_out_dir_arg, write_results
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.hardware import peak_flops
 from lm_systems.model import TransformerLM
@@ -299,7 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="record allocations over the timed steps; one pickle per configuration in DIR")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--name", default="model_benchmark", help="results file stem under --out-dir")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    add_out_dir_arg(parser)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or min(args.warmup_steps) < 0 or min(args.context_lengths) < 1:
         parser.error("--steps and --batch-size must be >= 1, --warmup-steps >= 0, --context-lengths >= 1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as dt
 import os
@@ -11,7 +12,14 @@ from typing import Callable, Sequence
 
 import torch
 
-RESULTS_DIR = Path("benchmarks/results")
+RUNS_DIR = Path("runs/bench")  # git-ignored; the committed results are benchmarks/results/
+
+
+def add_out_dir_arg(parser: argparse.ArgumentParser) -> None:
+    """``--out-dir``: where every benchmark writes; ad-hoc runs stay out of the committed results."""
+    parser.add_argument("--out-dir", type=Path, default=RUNS_DIR,
+                        help=f"where CSV / markdown / PNG go (default {RUNS_DIR}; benchmarks/results replaces the "
+                             "committed result)")
 
 
 def environment() -> dict[str, str]:
@@ -67,7 +75,7 @@ def write_results(
     notes: str = "",
     columns: Sequence[str] | None = None,
     plot: Callable[[Path], None] | None = None,
-    out_dir: Path | str = RESULTS_DIR,
+    out_dir: Path | str = RUNS_DIR,
 ) -> dict[str, Path]:
     """Print ``rows`` as a table and write ``<name>.csv``, ``<name>.md`` (and ``<name>.png`` via ``plot``).
 
