@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -99,6 +100,9 @@ def write_results(
     table = markdown_table(rows, columns)
     header = "\n".join(f"- {k}: {v}" for k, v in env.items())
     body = f"# {title}\n\n{header}\n\n{notes.strip()}\n\n{table}\n" if notes else f"# {title}\n\n{header}\n\n{table}\n"
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
+        plot = None
     if plot is not None:
         paths["png"] = out_dir / f"{name}.png"
         plot(paths["png"])
