@@ -4,8 +4,6 @@
 - ``DDPIndividualParameters(module)``: per-parameter async all-reduce launched during backward.
 - ``DDPBucketed(module, bucket_size_mb)``: bucketed async all-reduce, gradients as bucket views.
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
-- ``OverlappedStepOptimizer(params, ddp, optimizer_cls, stages)``: the step of the first-averaged buckets
-  overlapped with the averaging of the last ones.
 - ``gradient_process_group()``: an NCCL group with a high-priority stream for the containers' all-reduces.
 """
 
@@ -14,7 +12,6 @@ from lm_systems.parallel.bucketed import DDPBucketed, assign_buckets
 from lm_systems.parallel.collectives import gradient_process_group
 from lm_systems.parallel.naive import NaiveDDP
 from lm_systems.parallel.overlap import DDPIndividualParameters, OverlappedDDP
-from lm_systems.parallel.overlapped_step import OverlappedStepOptimizer
 from lm_systems.parallel.sharded_optimizer import ShardedOptimizer, optimizer_init_kwargs
 
 __all__ = [
@@ -23,7 +20,6 @@ __all__ = [
     "DataParallelModule",
     "NaiveDDP",
     "OverlappedDDP",
-    "OverlappedStepOptimizer",
     "ShardedOptimizer",
     "assign_buckets",
     "gradient_process_group",

@@ -8,13 +8,12 @@ spawn launcher (``bucketed_ddp_spawn``)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import strategies  # noqa: F401  (registers the strategy names)
+from lm_systems.parallel.ports import free_port
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer,
                               run_cpu_strategies, zero1_epoch0_checkpoint)
 
@@ -42,9 +41,7 @@ def reference(out_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(out_dir) -> dict[str, list[dict]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(run_cpu_strategies, args=(2, port, str(out_dir), STRATEGIES), nprocs=2, join=True)
     return {name: load_ranks(out_dir, name) for name in [*STRATEGIES, "zero1_resumed"]}
 

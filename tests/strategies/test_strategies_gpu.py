@@ -3,13 +3,12 @@ Lightning as torchrun would. Needs 2 GPUs."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import strategies  # noqa: F401  (registers the strategy names)
+from lm_systems.parallel.ports import free_port
 from strategy_workers import TinyData, TinyLM, make_trainer, run_gpu_strategies
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "zero1+stages1", "bucketed_ddp+bf16",
@@ -25,9 +24,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("strategies_gpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(run_gpu_strategies, args=(2, port, str(out), STRATEGIES, PRECISIONS), nprocs=2, join=True)
     return out
 
