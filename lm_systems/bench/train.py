@@ -19,10 +19,11 @@ ratio train.py / plain loop (median of the per-round ratios, with its range).
 from __future__ import annotations
 
 import argparse
-import gc
+import shlex
 import statistics
 import tempfile
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 
-from lm_systems.bench.report import write_results
+from lm_systems.bench.device import free_memory, synchronize
+from lm_systems.bench.report import add_out_dir_arg, write_results
 from lm_systems.checkpointing import IntervalCheckpoint
 from lm_systems.cli import main as train_py
 from lm_systems.config import MODEL_SIZES, ModelConfig
@@ -73,11 +75,6 @@ class Measurement:
     peak_gib: float
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -85,12 +82,6 @@ def reset_peak_memory(device: torch.device) -> None:
 
 def peak_memory_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / _GIB if device.type == "cuda" else float("nan")
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # -- train.py's path -------------------------------------------------------------------------
@@ -133,8 +124,10 @@ def train_py_args(setup: Setup, max_steps: int, workdir: Path) -> list[str]:
     ]
 
 
-def run_train_py(setup: Setup, warmup: int, steps: int, workdir: Path) -> Measurement:
-    cli = train_py(train_py_args(setup, warmup + steps, workdir), run=False)
+def run_train_py(setup: Setup, warmup: int, steps: int, workdir: Path, extra_flags: list[str]) -> Measurement:
+    with warnings.catch_warnings():  # that args and the bench's own sys.argv both exist is intended here
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = train_py([*train_py_args(setup, warmup + steps, workdir), *extra_flags], run=False)
     trainer = cli.trainer
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, (Checkpoint, IntervalCheckpoint))]
     clock = _StepClock(warmup, steps)
@@ -250,7 +243,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="start no new round after this many seconds (the rounds done are reported)")
     parser.add_argument("--name", default="train_step", help="results file name (without extension)")
-    parser.add_argument("--out-dir", default="runs/bench", help="where the results go (default: runs/bench)")
+    parser.add_argument("--train-py-flags", type=shlex.split, default=[],
+                        help="more train.py flags for its path, in one string, e.g. '--trainer.enable_progress_bar false'")
+    add_out_dir_arg(parser)
     args = parser.parse_args(argv)
     for flag in ("rounds", "warmup", "steps"):
         if getattr(args, flag) < 1:
@@ -276,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
                 order = PATHS if round_index % 2 == 0 else PATHS[::-1]
                 for path in order:
                     run: Callable[[], Measurement] = (
-                        (lambda: run_train_py(setup, args.warmup, args.steps, Path(workdir))) if path == "train_py"
+                        (lambda: run_train_py(setup, args.warmup, args.steps, Path(workdir), args.train_py_flags)) if path == "train_py"
                         else (lambda: run_plain(setup, args.warmup, args.steps, data, device)))
                     measured = run()
                     runs[setup][path].append(measured)
@@ -285,9 +280,10 @@ def main(argv: list[str] | None = None) -> None:
                     free_memory(device)
     vocab_size = LMDataModule().vocab_size
     rows = [row for setup in setups if runs[setup]["plain"] for row in summary_rows(setup, runs[setup], vocab_size, device)]
+    flags = f" train.py's extra flags: `{shlex.join(args.train_py_flags)}`." if args.train_py_flags else ""
     notes = (f"Each run: {args.warmup} untimed then {args.steps} timed optimizer steps; AdamW (fused on CUDA) lr {LR}, "
              f"clip {CLIP}, same batches. `train_py / plain` rows: the median per-round ratio of step times "
-             f"(min_ms/max_ms: its range) and the ratio of peak memory.")
+             f"(min_ms/max_ms: its range) and the ratio of peak memory.{flags}")
     write_results(args.name, rows, "Training step: train.py's path against a plain PyTorch loop", notes=notes,
                   out_dir=args.out_dir)
 
