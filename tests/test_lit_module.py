@@ -59,6 +59,7 @@ def test_loss_is_the_cross_entropy_of_each_token_against_the_next():
     assert lit._loss(batch).item() == pytest.approx((5 * right + 3 * wrong) / 8, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_training_on_the_embedded_corpus_lowers_validation_loss(cache_dir, tmp_path):
     L.seed_everything(0)
     model, data = LitLM(**SMALL_MODEL, lr=1e-2), datamodule(cache_dir)
@@ -70,6 +71,7 @@ def test_training_on_the_embedded_corpus_lowers_validation_loss(cache_dir, tmp_p
     assert model.hparams.vocab_size == data.vocab_size  # resolved from the tokenizer and recorded
 
 
+@pytest.mark.slow
 def test_resume_continues_at_the_same_step_learning_rate_and_data_position(cache_dir, tmp_path):
     def run(steps: int, ckpt_path=None, interval=0):
         L.seed_everything(0)

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
 
