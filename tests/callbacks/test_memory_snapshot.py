@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from callbacks import MemorySnapshot
-from tests.callbacks.tiny_training import RandomTokenLM, fit
+from tiny_training import RandomTokenLM, fit
 
 
 def test_cpu_run_warns_and_trains_on(tmp_path):

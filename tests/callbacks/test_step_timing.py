@@ -13,7 +13,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from callbacks import StepTimer
-from tests.callbacks.tiny_training import RandomTokenLM, fit
+from tiny_training import RandomTokenLM, fit
 
 # Seconds each phase's hook adds to the clock; the timer must charge each to its own phase, exactly.
 PHASE_S = {"forward": 0.100, "backward": 0.150, "optimizer": 0.200}

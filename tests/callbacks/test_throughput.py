@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from callbacks import MFUMonitor
-from tests.callbacks.tiny_training import BATCH, CONFIG, RandomTokenLM, fit
+from tiny_training import BATCH, CONFIG, RandomTokenLM, fit
 
 PEAK = 2.5e12  # any positive number: MFU must be the achieved FLOP/s over it
 
