@@ -16,6 +16,7 @@ from lm_systems.parallel.ports import free_port
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
 

@@ -1,6 +1,7 @@
 """The attention registry and the two reference implementations."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -30,9 +31,11 @@ def test_reference_implementations_match_float64(name, is_causal, n_q, n_k):
     torch.testing.assert_close(out, float64_attention(q, k, v, is_causal), rtol=1e-10, atol=1e-10)
 
 
-def test_auto_resolves_to_a_registered_implementation_on_cpu():
-    assert resolve_attention_name("auto", "cpu") in attention_names()
-    assert resolve_attention_name("auto", "cpu") != "auto"
+def test_auto_resolves_to_the_fastest_implementation_for_the_device():
+    assert resolve_attention_name("auto", "cpu") == "sdpa"
+    assert get_attention("auto", "cpu") is get_attention("sdpa")
+    # triton is a dependency on Linux only; elsewhere CUDA falls back to sdpa.
+    assert resolve_attention_name("auto", "cuda") == ("flash_triton" if sys.platform == "linux" else "sdpa")
 
 
 def test_unknown_name_lists_valid_ones_and_duplicates_are_refused():
