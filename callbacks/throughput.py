@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lm_systems.hardware import peak_flops
@@ -36,16 +36,20 @@ class _ForwardOnlyThroughput(Throughput):
 class MFUMonitor(ThroughputMonitor):
     """Logs tokens/s (``train/device/items_per_sec``) and MFU (``train/device/mfu``) every logged step.
 
-    Lightning's ``ThroughputMonitor`` does the bookkeeping: a rolling window of step times, and the
+    Lightning's ``ThroughputMonitor`` does the bookkeeping: a rolling window of times, and the
     LightningModule's ``flops_per_batch`` (``LitLM`` sets it from ``TransformerLM.flops_per_token``).
+    Lightning's waits for the GPU after every training batch to read its clock; this one counts the
+    batches in between and reads the clock (after one device synchronisation) only on logged steps, so
+    the host keeps running ahead of the GPU. The window is then one of logged steps.
     This subclass counts tokens from the (B, T + 1) batches and takes the peak FLOP/s from
     ``lm_systems.hardware`` (dense rates; Lightning's table has the H200's sparse ones), for the
     precision the trainer runs in: bf16 peak under ``bf16-mixed``, fp32 (or TF32) under ``32-true``.
     Validation throughput (``validate/...``) counts a third of ``flops_per_batch``: forward only.
     """
 
-    def __init__(self, window_size: int = 20, peak_flops_per_s: float | None = None) -> None:
-        """``window_size``: steps in the rolling average (MFU appears once the window is full);
+    def __init__(self, window_size: int = 4, peak_flops_per_s: float | None = None) -> None:
+        """``window_size``: logged training steps (validation: batches) in the rolling average; MFU appears
+        once the window is full;
         ``peak_flops_per_s``: override the device's peak, for a GPU missing from ``lm_systems.hardware``.
         """
         if window_size < 2:
@@ -74,6 +78,7 @@ class MFUMonitor(ThroughputMonitor):
                 )
 
     @override
+    @rank_zero_only
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *args: Any
     ) -> None:
@@ -82,4 +87,10 @@ class MFUMonitor(ThroughputMonitor):
                 "MFUMonitor expects (B, T + 1) token batches as LMDataModule yields, "
                 f"got {type(batch).__name__} {getattr(batch, 'shape', '')}"
             )
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+        if trainer._logger_connector.should_update_logs:  # what Lightning's own _compute asks below
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+        else:  # count the batch; its time is read with the next logged step's
+            stage = trainer.state.stage
+            self._lengths[stage] += tokens_in_batch(batch)
+            self._samples[stage] += sequences_in_batch(batch)
+            self._batches[stage] += 1

@@ -5,11 +5,12 @@ from __future__ import annotations
 import sys
 from typing import Optional, Union
 
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
 from callbacks.progress import StepsProgressBar
+from callbacks.throughput import MFUMonitor
 
 from lm_systems.checkpointing import IntervalCheckpoint
 from lm_systems.config import ModelConfig
@@ -73,16 +74,22 @@ class LMCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)  # with the callbacks from YAML and --trainer.callbacks
         trainer.callbacks.append(IntervalCheckpoint(self._get(self.config, "checkpointing_interval", default=0)))
+        for default in (LearningRateMonitor(logging_interval="step"), MFUMonitor()):  # unless configured already
+            if not any(isinstance(callback, type(default)) for callback in trainer.callbacks):
+                trainer.callbacks.append(default)
         bar = trainer.progress_bar_callback
         if type(bar) is RichProgressBar:  # Lightning's default when rich is installed
             trainer.callbacks[trainer.callbacks.index(bar)] = StepsProgressBar()
         return trainer
 
 
-def main(args: Optional[list[str]] = None) -> LMCLI:
-    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run."""
+def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
+    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run.
+
+    ``run=False`` parses ``args`` (no subcommand) and builds the model, data and trainer without running.
+    """
     given = sys.argv[1:] if args is None else args
-    if not given or given[0] not in SUBCOMMANDS:
+    if run and (not given or given[0] not in SUBCOMMANDS):
         if args is None:
             sys.argv.insert(1, "fit")  # LightningCLI reads sys.argv itself when given no args
         else:
@@ -94,4 +101,5 @@ def main(args: Optional[list[str]] = None) -> LMCLI:
         seed_everything_default=1234,
         save_config_kwargs={"overwrite": True},
         args=args,
+        run=run,
     )

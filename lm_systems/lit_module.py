@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -15,7 +14,9 @@ from torchmetrics import MeanMetric
 from lm_systems.attention import resolve_attention_name
 from lm_systems.config import ModelConfig
 from lm_systems.generate import sample_text
-from lm_systems.model import RMSNorm, TransformerLM
+from lm_systems.model import TransformerLM
+from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy
+from lm_systems.optim import adamw_param_groups, make_adamw
 from lm_systems.schedule import warmup_cosine
 
 
@@ -41,6 +42,10 @@ class LitLM(L.LightningModule):
             the gradient all-reduces with backward, which a whole compiled model would not let them).
         sample_prompt: prompt of the sample printed after training ('' skips it).
         sample_tokens: length of that sample.
+        on_nonfinite: what a non-finite loss or gradient norm does: "stop" ends the run with an error (the
+            weights are no longer usable; no checkpoint of them is written), "skip" drops that step's update.
+            Checked without a host sync, every ``log_every_n_steps`` and before each checkpoint.
+        max_consecutive_skips: under "skip", stop once this many steps in a row were non-finite.
     """
 
     def __init__(
@@ -62,6 +67,8 @@ class LitLM(L.LightningModule):
         compile: bool = False,
         sample_prompt: str = "Once upon a time",
         sample_tokens: int = 48,
+        on_nonfinite: NonFinitePolicy = "stop",
+        max_consecutive_skips: int = 10,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -79,7 +86,8 @@ class LitLM(L.LightningModule):
         self.model: TransformerLM | None = TransformerLM(self._config) if vocab_size is not None else None
         self.flops_per_batch: float | None = None
         self.val_loss = MeanMetric()
-        self._last_step_time: float | None = None
+        self._nonfinite = NonFiniteGuard(on_nonfinite, max_consecutive_skips)
+        self._last_loss: torch.Tensor | None = None
         self._compiled = False
 
     @property
@@ -121,25 +129,9 @@ class LitLM(L.LightningModule):
         )
 
     def configure_optimizers(self) -> dict[str, Any]:
-        decay, no_decay = [], []
-        for module in self.model.modules():
-            for param in module.parameters(recurse=False):
-                if not param.requires_grad:
-                    continue
-                is_norm_or_embedding = isinstance(module, (RMSNorm, torch.nn.Embedding))
-                (no_decay if is_norm_or_embedding or param.ndim < 2 else decay).append(param)
-        on_cuda = all(p.is_cuda for p in decay + no_decay)
-        # Fused AdamW unscales inside step(), so with a GradScaler (16-mixed) clipping would see scaled grads.
-        uses_grad_scaler = str(self.trainer.precision).startswith("16")
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.hparams.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.hparams.lr,
-            betas=tuple(self.hparams.betas),
-            fused=on_cuda and not uses_grad_scaler,
-        )
+        # Fused AdamW on CUDA, in every precision: configure_gradient_clipping unscales for it under 16-mixed.
+        optimizer = make_adamw(adamw_param_groups(self.model, self.hparams.weight_decay), self.hparams.lr,
+                               self.hparams.betas)
         decay_steps = self.hparams.decay_steps or self.trainer.max_steps
         if decay_steps is None or decay_steps <= 0:
             raise ValueError("the cosine schedule needs a length: set --max_steps (or --model.decay_steps)")
@@ -147,7 +139,8 @@ class LitLM(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, warmup, decay_steps, min_ratio)
         )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # The name is the tag LearningRateMonitor logs the rate under.
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -161,22 +154,75 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/perplexity", loss.detach().exp())
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
+        self._last_loss = loss.detach()
+        # Only on logging steps: a logged progress-bar value is read back to the host, which would make every
+        # step wait for the GPU.
+        if self._logs_this_step():
+            self.log("train/loss", loss, prog_bar=True)
+            self.log("train/perplexity", loss.detach().exp())
         return loss
 
-    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        now = time.perf_counter()
-        if self._last_step_time is not None:
-            tokens = batch.shape[0] * (batch.shape[1] - 1) * self.trainer.world_size
-            self.log("train/tokens_per_s", tokens / (now - self._last_step_time), prog_bar=True)
-        self._last_step_time = now
+    def _logs_this_step(self) -> bool:
+        """Whether the optimizer step now running is one Lightning logs (every ``log_every_n_steps``)."""
+        return (self.trainer.global_step + 1) % self.trainer.log_every_n_steps == 0
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Clip by the global gradient norm, watch for non-finite values, and log the norm.
+
+        Done here rather than by Lightning's precision plugin, which refuses to clip for an optimizer that
+        unscales inside ``step()`` (fused AdamW), even under bf16-mixed where nothing is scaled.
+        """
+        if gradient_clip_val and gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"only clipping by norm is supported, got --trainer.gradient_clip_algorithm {gradient_clip_algorithm}"
+            )
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        log_now = self._logs_this_step()
+        needs_norm = bool(gradient_clip_val) or log_now or self._nonfinite.policy == "skip"
+        if scaler is not None and needs_norm and getattr(optimizer, "_step_supports_amp_scaling", False):
+            scaler.unscale_(optimizer)  # 16-mixed: the optimizer would unscale in step(); the norm needs it now
+        grad_norm = self._clip_grad_norm(gradient_clip_val or float("inf")) if needs_norm else None
+        # Under a GradScaler, overflowing gradients are the scaler's to skip; the loss is still ours to watch.
+        bad = self._nonfinite.observe(self.trainer.global_step, self._last_loss,
+                                      grad_norm if scaler is None else None)
+        if self._nonfinite.policy == "skip" and scaler is None:
+            self._skip_update_if(bad, optimizer)
+        if log_now and grad_norm is not None:
+            self.log("train/grad_norm", grad_norm)
+            self.log("train/skipped_steps", self._nonfinite.skipped_steps.float())
+
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients to a global norm of at most ``max_norm``; the norm before clipping."""
+        wrapper = self.trainer.strategy.model
+        clip = getattr(wrapper, "clip_grad_norm_", None)  # a sharding container knows the norm over every rank
+        if clip is not None:
+            return clip(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    @staticmethod
+    def _skip_update_if(bad: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.found_inf = bad.float()  # fused AdamW skips its update on the device: no host sync
+        elif bad:  # other optimizers: one host sync; parameters without gradients are not updated
+            optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # Free the gradients now: Lightning zeroes them only after the next step's forward, which would then
+        # run with a full fp32 copy of the parameters' size still allocated.
+        optimizer.zero_grad(set_to_none=True)
+
+    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.trainer.global_step % self.trainer.log_every_n_steps == 0:  # a logged step just ended
+            self._nonfinite.check(self._nonfinite_advice())  # Lightning reads the logged values now anyway
+
+    def _nonfinite_advice(self) -> str:
+        lr = self.hparams.lr
+        return (f"Lower --model.lr (now {lr:g}), keep gradient clipping on (--trainer.gradient_clip_val 1.0), "
+                "and prefer --precision bf16-mixed to 16-mixed")
 
     def on_validation_epoch_start(self) -> None:
         # Fresh state in this loop's grad mode: a state made under inference_mode (trainer.validate)
@@ -191,17 +237,18 @@ class LitLM(L.LightningModule):
         # Already equal on every rank; sync_dist only tells Lightning so (one tiny all-reduce per validation).
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/perplexity", loss.exp(), sync_dist=True)
-        self._last_step_time = None  # validation time is not training throughput
 
     # -- checkpoints and the closing sample --------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._nonfinite.check(self._nonfinite_advice())  # never a checkpoint of weights that went non-finite
         checkpoint["model_config"] = asdict(self.model.config)
         tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
         if tokenizer is not None:
             checkpoint["tokenizer"] = tokenizer.to_str()
 
     def on_fit_end(self) -> None:
+        self._nonfinite.check(self._nonfinite_advice())
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
         if self.hparams.sample_prompt and tokenizer is not None and self.trainer.is_global_zero:
             text = sample_text(

@@ -16,10 +16,6 @@ def set_nvtx_enabled(enabled: bool) -> None:
     _enabled = bool(enabled) and torch.cuda.is_available()
 
 
-def nvtx_enabled() -> bool:
-    return _enabled
-
-
 def nvtx_range(name: str) -> ContextManager:
     """``torch.cuda.nvtx.range(name)`` when enabled, else a no-op context."""
     return torch.cuda.nvtx.range(name) if _enabled else nullcontext()

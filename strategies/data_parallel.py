@@ -11,15 +11,15 @@ logging are Lightning's own. What changes is the model wrapper and where gradien
   precision plugin's unscaling, clipping and ``on_before_optimizer_step``, which thus see averaged gradients;
 - ``teardown`` removes the container's gradient hooks and unwraps the module.
 
-Every strategy takes communication options (NCCL only; measured in benchmarks/results/ddp_*):
+Every strategy takes communication options (NCCL only):
 ``comm_high_priority`` and ``comm_max_ctas`` average gradients on a process group of their own whose
 stream is high priority (its all-reduces get SMs as soon as backward's kernels free them) and whose
 all-reduces use at most that many thread blocks (leaving the other SMs to backward); and
 ``grad_comm_dtype`` ("bf16"/"fp16") sends gradients in that dtype (half the bytes of fp32) and casts
 the mean back. The strategies that communicate during backward (overlap_ddp, bucketed_ddp, zero1) also
 take ``launch_thread`` (default on): the all-reduces are launched from a thread of their own instead of
-from the gradient hooks on autograd's thread, which on launch-bound hosts made bucketed_ddp's xl step
-about 10% faster (benchmarks/results/ddp_paired_xl_2gpu_launch_thread.md). bucketed_ddp and zero1 take
+from the gradient hooks on autograd's thread, which keeps them from delaying backward's own launches on
+launch-bound hosts. bucketed_ddp and zero1 take
 ``allreduce``: ``"process_group"`` (default) or ``"copy_engine"`` (one node of CUDA GPUs: buckets averaged
 by peer copies over symmetric memory, which use copy engines instead of SMs; see lm_systems/parallel/peer_copy.py).
 """
@@ -160,7 +160,7 @@ class NaiveDDPStrategy(ContainerDDPStrategy):
         return NaiveDDP(module, flat=self._flat, **comm)
 
 
-class OverlappedDDPStrategy(ContainerDDPStrategy):
+class LaunchThreadDDPStrategy(ContainerDDPStrategy):
     """Base of the strategies whose containers launch all-reduces during backward; ``launch_thread`` as above."""
 
     def __init__(self, launch_thread: bool = True, **kwargs: Any) -> None:
@@ -168,7 +168,7 @@ class OverlappedDDPStrategy(ContainerDDPStrategy):
         self._launch_thread = launch_thread
 
 
-class OverlapDDPStrategy(OverlappedDDPStrategy):
+class OverlapDDPStrategy(LaunchThreadDDPStrategy):
     """Launches each parameter's gradient all-reduce during backward, as soon as the gradient is ready."""
 
     strategy_name = "overlap_ddp"
@@ -179,7 +179,7 @@ class OverlapDDPStrategy(OverlappedDDPStrategy):
         return DDPIndividualParameters(module, launch_thread=self._launch_thread, **comm)
 
 
-class BucketedDDPStrategy(OverlappedDDPStrategy):
+class BucketedDDPStrategy(LaunchThreadDDPStrategy):
     """Bucketed gradient all-reduce overlapped with backward; ``bucket_size_mb`` caps each bucket."""
 
     strategy_name = "bucketed_ddp"

@@ -25,10 +25,8 @@ class Zero1Strategy(BucketedDDPStrategy):
     reach the other ranks, and in how many stages that exchange is pipelined with the update; with
     ``comm_high_priority`` (NCCL) gradients and exchange run on a high-priority group of their own.
 
-    The defaults differ from ShardedOptimizer's (one stage, default group): on two H200s, xl, the update
-    pipelined with the exchange in 4 stages measured 0.97x the one-stage step when the exchange's stream
-    was high-priority (twice) and no gain on a normal one; zero1 so configured cost 0.99-1.03x
-    bucketed_ddp's step (benchmarks/results/ddp_paired_xl_2gpu_zero1_hp_stages.md).
+    The defaults differ from ShardedOptimizer's (one stage, default group): the update pipelined with the
+    exchange in 4 stages on a high-priority stream, which is where the pipeline pays (docs/data_parallel.md).
     """
 
     strategy_name = "zero1"

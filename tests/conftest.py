@@ -1,4 +1,5 @@
-"""Shared test setup: the `gpu` marker skips without CUDA; Triton kernels run interpreted on the CPU."""
+"""Shared test setup: the `gpu` marker skips without CUDA; tests on two spawned ranks are marked `slow`;
+Triton kernels run interpreted on the CPU."""
 
 import os
 
@@ -11,6 +12,9 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "spawn_two_ranks" in item.fixturenames:  # tests/parallel/conftest.py: two fresh interpreters
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,5 +1,6 @@
 """LitLM end to end on the embedded corpus: learning, resuming exactly, checkpoint contents, bad input."""
 
+import math
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -34,6 +35,31 @@ def trainer(tmp_path: Path, max_steps: int, interval: int = 0, **kwargs) -> L.Tr
     return L.Trainer(**{**defaults, **kwargs})
 
 
+def test_loss_is_the_cross_entropy_of_each_token_against_the_next():
+    """Weights under which the model predicts "this token + 1" with logit margin 3 (the blocks add nothing
+    to the residual stream, the embedding is one-hot, the head points at the successor). On a batch where
+    that guess is right at 5 of 8 positions, the loss is the hand-computed mean; targets that are not the
+    next token (unshifted, or shifted the wrong way) give another value."""
+    vocab, width = 5, 8
+    lit = LitLM(size="tiny", vocab_size=vocab, context_length=8, d_model=width, num_layers=1, num_heads=2, d_ff=16)
+    model = lit.model
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.out.weight.zero_()
+            block.ffn.w2.weight.zero_()
+        model.embedding.weight.copy_(math.sqrt(width) * torch.eye(vocab, width))  # RMS 1: the final norm keeps it
+        model.final_norm.weight.fill_(1.0)
+        head = torch.eye(vocab, width).roll(1, dims=0) * 3.0 / math.sqrt(width)  # row v reads token v - 1
+        model.lm_head.weight.copy_(head)
+    batch = torch.tensor([[0, 1, 2, 3, 0],   # 0→1, 1→2, 2→3 right; 3→0 wrong (guess 4)
+                          [2, 2, 4, 0, 1]])  # 2→2, 2→4 wrong (guess 3); 4→0, 0→1 right
+    right = math.log(1 + (vocab - 1) * math.exp(-3))  # −log(e³ / (e³ + 4))
+    wrong = math.log(math.exp(3) + vocab - 1)  # −log(1 / (e³ + 4))
+    # rel 1e-4: the norms' eps (1e-5) scales the margin by 1/sqrt(1 + 1e-5), about 5e-6 of the loss.
+    assert lit._loss(batch).item() == pytest.approx((5 * right + 3 * wrong) / 8, rel=1e-4)
+
+
+@pytest.mark.slow
 def test_training_on_the_embedded_corpus_lowers_validation_loss(cache_dir, tmp_path):
     L.seed_everything(0)
     model, data = LitLM(**SMALL_MODEL, lr=1e-2), datamodule(cache_dir)
@@ -45,6 +71,7 @@ def test_training_on_the_embedded_corpus_lowers_validation_loss(cache_dir, tmp_p
     assert model.hparams.vocab_size == data.vocab_size  # resolved from the tokenizer and recorded
 
 
+@pytest.mark.slow
 def test_resume_continues_at_the_same_step_learning_rate_and_data_position(cache_dir, tmp_path):
     def run(steps: int, ckpt_path=None, interval=0):
         L.seed_everything(0)

@@ -19,16 +19,19 @@ from lm_systems.attention.registry import (
 # Importing the implementations registers them.
 from lm_systems.attention import naive as _naive  # noqa: F401
 from lm_systems.attention import sdpa as _sdpa  # noqa: F401
-from lm_systems.attention import flash_torch as _flash_torch  # noqa: F401
-
-# Without triton installed, flash_triton is simply not registered (and ``auto`` falls back).
-if importlib.util.find_spec("triton") is not None:
-    from lm_systems.attention import flash_triton as _flash_triton  # noqa: F401
+from lm_systems.attention.flash_torch import FlashAttention2Torch
 
 __all__ = [
     "AttentionFn",
+    "FlashAttention2Torch",
     "attention_names",
     "get_attention",
     "register_attention",
     "resolve_attention_name",
 ]
+
+# Without triton installed, flash_triton is simply not registered (and ``auto`` falls back).
+if importlib.util.find_spec("triton") is not None:
+    from lm_systems.attention.flash_triton import FlashAttention2Triton
+
+    __all__.append("FlashAttention2Triton")

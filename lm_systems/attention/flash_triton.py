@@ -85,12 +85,12 @@ def _grid(n: int, block: str, batch_heads: int, heads_first: bool):
     return grid
 
 
-# The launches are custom ops: torch.compile then treats each as one opaque call with a shape-only
-# fake, instead of tracing the Triton autotuner and its prune function (which torch 2.11 cannot).
+# Each pass is also a custom op, which torch.compile treats as one opaque call with a shape-only fake
+# instead of tracing the Triton autotuner and its prune function. Eager mode calls the passes directly: a
+# dispatcher round trip per pass cost more host time than the kernels' own launches.
 
 
-@torch.library.custom_op("lm_systems::flash_attention_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     q4, k4, v4 = _as_bhnd(q), _as_bhnd(k), _as_bhnd(v)
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
@@ -106,13 +106,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bo
     return out, lse
 
 
-@_forward_op.register_fake
-def _forward_fake(q, k, v, is_causal):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("lm_systems::flash_attention_backward", mutates_args=())
-def _backward_op(
+def _backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     grad_out: torch.Tensor, is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,6 +139,15 @@ def _backward_op(
     return dq, dk, dv
 
 
+_forward_op = torch.library.custom_op("lm_systems::flash_attention_forward", _forward, mutates_args=())
+_backward_op = torch.library.custom_op("lm_systems::flash_attention_backward", _backward, mutates_args=())
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, is_causal):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
 @_backward_op.register_fake
 def _backward_fake(q, k, v, out, lse, grad_out, is_causal):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -155,7 +158,7 @@ def flash_forward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O shaped like q and the logsumexp L shaped ``q.shape[:-1]`` (float32)."""
     check_triton_inputs(q, k, v)
-    return _forward_op(q, k, v, is_causal)
+    return (_forward_op if torch.compiler.is_compiling() else _forward)(q, k, v, is_causal)
 
 
 def flash_backward_triton(
@@ -168,7 +171,8 @@ def flash_backward_triton(
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV: the D preprocess, then the dK/dV pass and the dQ pass."""
-    return _backward_op(q, k, v, out, lse, grad_out.to(q.dtype), is_causal)
+    backward = _backward_op if torch.compiler.is_compiling() else _backward
+    return backward(q, k, v, out, lse, grad_out.to(q.dtype), is_causal)
 
 
 class _FlashAttention2TritonFunction(torch.autograd.Function):

@@ -1,1 +1,1 @@
-"""Benchmarks: ``python -m lm_systems.bench.<name>``; each prints a table and writes benchmarks/results/."""
+"""Benchmarks: ``python -m lm_systems.bench.<name>``; each prints a table and writes CSV + markdown to runs/bench/."""

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from lm_systems.bench.report import RESULTS_DIR, write_results
+from lm_systems.bench.report import add_out_dir_arg, write_results
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--headline-n", type=int, default=16384, help="sequence length of the headline")
     parser.add_argument("--flash-torch-max-pairs", type=float, default=2**28,
                         help="skip flash_torch above this many score elements N_q·N_k")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where CSV / markdown / PNG go")
+    add_out_dir_arg(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("lm_systems.bench.attention needs a CUDA GPU (the SDPA backends and Triton kernels time on one)")

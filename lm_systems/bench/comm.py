@@ -25,14 +25,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
-from lm_systems.bench.report import RESULTS_DIR, write_results
+from lm_systems.bench.device import synchronize
+from lm_systems.bench.ranks import init_rank, spawn_ranks
+from lm_systems.bench.report import add_out_dir_arg, write_results
 from lm_systems.parallel.peer_copy import CopyEngineAverager
 
 MB = 1_000_000
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 COPY_ENGINE = "copy_engine"  # DDPBucketed's peer-copy average (mean), beside NCCL's reduce ops
 OPS = [*REDUCE_OPS, COPY_ENGINE]
+
+
+def bus_bandwidth(nbytes: int, seconds: float, nproc: int) -> float:
+    """Bytes per second each link carries in a ring all-reduce of ``nbytes`` over ``nproc`` ranks (nccl-tests)."""
+    return 2 * (nproc - 1) / nproc * nbytes / seconds
 
 
 def time_all_reduce(tensor: torch.Tensor, op: str, chunk_numel: int, warmup: int, iters: int) -> float:
@@ -79,7 +85,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                     "nproc": args.nproc, "op": op_name, "size_mb": size_mb, "chunk_mb": args.chunk_mb or size_mb,
                     "time_ms": seconds * 1e3,
                     "algbw_GBps": nbytes / seconds / 1e9,
-                    "busbw_GBps": 2 * (args.nproc - 1) / args.nproc * nbytes / seconds / 1e9,
+                    "busbw_GBps": bus_bandwidth(nbytes, seconds, args.nproc) / 1e9,
                 }
                 if rank == 0:
                     queue.put(row)
@@ -124,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--timeout-s", type=int, default=300, help="process-group timeout")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    add_out_dir_arg(parser)
     parser.add_argument("--name", default=None, help="result file stem (default comm_<backend>_<nproc>proc)")
     args = parser.parse_args(argv)
     if args.backend == "auto":

@@ -10,7 +10,7 @@ with the GPU between steps. The pair's ratio is the median over
 iterations of B's time per step over the adjacent A's, so drift slower than two turns cancels. ``single`` steps run on rank 0 alone: a pair
 ``single:X`` gives X's scaling efficiency (single / X, per-rank throughput against one GPU).
 
-Pairs take bench.ddp's variant names and options (``torch_ddp:bucketed_25+ctas16``).
+Pairs take the variant names and options of ``lm_systems.bench.ddp_variants`` (``torch_ddp:bucketed_25+ctas16``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.ddp import (Variant, add_setup_args, build, check_setup_args, make_step, rank_config_and_batch,
-                                  release, run_label, setup_description)
-from lm_systems.bench.ranks import init_rank, spawn_ranks, synchronize
+from lm_systems.bench.ddp_variants import (Variant, add_setup_args, build, check_setup_args, checked_variant,
+                                           make_step, rank_config_and_batch, release, run_label, setup_description)
+from lm_systems.bench.device import free_memory, synchronize
+from lm_systems.bench.ranks import init_rank, spawn_ranks
 from lm_systems.bench.report import write_results
 from lm_systems.parallel import gradient_process_group
 
@@ -44,8 +45,8 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
             groups[variant.group_key] = gradient_process_group(*variant.group_key)
         here = variant.base != "single" or rank == 0
         group = groups.get(variant.group_key)
-        run = build(variant, config, device, group, compile_mode=args.compile) if here else None
-        steps.append((make_step(run, variant, args, device) if here else None, run))
+        run = build(variant, config, device, group, args.compile) if here else None
+        steps.append((make_step(run, args.precision, device) if here else None, run))
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(args.warmup + args.iterations):
         for which in ((0, 1) if i % 2 == 0 else (1, 0)):
@@ -63,7 +64,8 @@ def time_pair(names: tuple[str, str], args: argparse.Namespace, device: torch.de
                 times[which].append(elapsed.item())
     runs = [run for _, run in steps]
     steps = run = None
-    release(runs, device, args.compile)
+    release(runs)
+    free_memory(device, args.compile)
     return times
 
 
@@ -98,12 +100,7 @@ def parse_pair(text: str) -> tuple[str, str]:
     names = text.split(":")
     if len(names) != 2:
         raise argparse.ArgumentTypeError(f"a pair is A:B, got {text!r}")
-    for name in names:
-        try:
-            Variant.parse(name)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-    return names[0], names[1]
+    return checked_variant(names[0]), checked_variant(names[1])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

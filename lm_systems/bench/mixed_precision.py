@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm_systems.bench.report import write_results
+from lm_systems.bench.report import add_out_dir_arg, write_results
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lm_systems.bench.mixed_precision", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    add_out_dir_arg(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -15,7 +15,6 @@ residual-stream activation. A configuration that runs out of GPU memory is a row
 from __future__ import annotations
 
 import argparse
-import gc
 import multiprocessing
 import statistics
 import time
@@ -29,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from lm_systems.attention import attention_names, resolve_attention_name
-from lm_systems.bench.ranks import synchronize
-from lm_systems.bench.report import write_results
+from lm_systems.bench.device import free_memory, synchronize
+from lm_systems.bench.report import add_out_dir_arg, write_results
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.hardware import peak_flops
 from lm_systems.model import TransformerLM
@@ -150,12 +149,6 @@ def measure(model, case: Case, device: torch.device, snapshot_dir: Path | None =
     }
 
 
-def _free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _row(case: Case, model: TransformerLM | None, result: dict, device: torch.device) -> dict:
     params = model.num_parameters() / 1e6 if model is not None else ""
     attention = resolve_attention_name(case.attention, device)
@@ -174,7 +167,7 @@ def _measure_recording_failures(model, case: Case, device: torch.device, snapsho
         traceback.print_exc()
         result = {"status": f"error: {type(error).__name__}"}
     # Outside the except blocks, so the traceback's frames (and the tensors they hold) are gone.
-    _free_memory(device)
+    free_memory(device)
     return result
 
 
@@ -208,13 +201,13 @@ def run_cases(cases: list[Case], device: torch.device, isolate: bool, nvtx: bool
         key = (case.size, case.attention, case.compile)
         if key != built:
             model, built = None, key
-            _free_memory(device)
+            free_memory(device)
             context = max(c.context for c in cases if (c.size, c.attention, c.compile) == key)
             try:
                 model = build_model(case.size, context, case.attention, case.vocab_size, device)
             except torch.cuda.OutOfMemoryError:
                 model = None
-                _free_memory(device)
+                free_memory(device)
             if model is not None and case.compile:
                 model = torch.compile(model)
         result = _measure_recording_failures(model, case, device, snapshot_dir) if model is not None else {"status": "OOM"}
@@ -299,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="record allocations over the timed steps; one pickle per configuration in DIR")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--name", default="model_benchmark", help="results file stem under --out-dir")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    add_out_dir_arg(parser)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or min(args.warmup_steps) < 0 or min(args.context_lengths) < 1:
         parser.error("--steps and --batch-size must be >= 1, --warmup-steps >= 0, --context-lengths >= 1")

@@ -7,7 +7,6 @@ time limit still reach the parent, which writes them in any case.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -16,17 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on the CPU): brackets every timed region."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from lm_systems.parallel.ports import free_port
 
 
 def spawn_ranks(worker: Callable[..., None], args: Any, nproc: int,

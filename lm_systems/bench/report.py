@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as dt
+import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -11,7 +13,14 @@ from typing import Callable, Sequence
 
 import torch
 
-RESULTS_DIR = Path("benchmarks/results")
+RUNS_DIR = Path("runs/bench")  # git-ignored; the committed results are benchmarks/results/
+
+
+def add_out_dir_arg(parser: argparse.ArgumentParser) -> None:
+    """``--out-dir``: where every benchmark writes; ad-hoc runs stay out of the committed results."""
+    parser.add_argument("--out-dir", type=Path, default=RUNS_DIR,
+                        help=f"where CSV / markdown / PNG go (default {RUNS_DIR}; benchmarks/results replaces the "
+                             "committed result)")
 
 
 def environment() -> dict[str, str]:
@@ -67,7 +76,7 @@ def write_results(
     notes: str = "",
     columns: Sequence[str] | None = None,
     plot: Callable[[Path], None] | None = None,
-    out_dir: Path | str = RESULTS_DIR,
+    out_dir: Path | str = RUNS_DIR,
 ) -> dict[str, Path]:
     """Print ``rows`` as a table and write ``<name>.csv``, ``<name>.md`` (and ``<name>.png`` via ``plot``).
 
@@ -91,6 +100,9 @@ def write_results(
     table = markdown_table(rows, columns)
     header = "\n".join(f"- {k}: {v}" for k, v in env.items())
     body = f"# {title}\n\n{header}\n\n{notes.strip()}\n\n{table}\n" if notes else f"# {title}\n\n{header}\n\n{table}\n"
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
+        plot = None
     if plot is not None:
         paths["png"] = out_dir / f"{name}.png"
         plot(paths["png"])

@@ -6,8 +6,6 @@
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
 - ``FullyShardedDataParallel(module, compute_dtype=None, unit_types=None)``: parameters, gradients and optimizer
   state sharded over ranks (ZeRO stage 3), each unit gathered just before its forward and its backward.
-- ``OverlappedStepOptimizer(params, ddp, optimizer_cls, stages)``: the step of the first-averaged buckets
-  overlapped with the averaging of the last ones.
 - ``gradient_process_group()``: an NCCL group with a high-priority stream for the containers' all-reduces.
 """
 
@@ -17,7 +15,6 @@ from lm_systems.parallel.collectives import gradient_process_group
 from lm_systems.parallel.fully_sharded import FullyShardedDataParallel
 from lm_systems.parallel.naive import NaiveDDP
 from lm_systems.parallel.overlap import DDPIndividualParameters, OverlappedDDP
-from lm_systems.parallel.overlapped_step import OverlappedStepOptimizer
 from lm_systems.parallel.sharded_optimizer import ShardedOptimizer, optimizer_init_kwargs
 
 __all__ = [
@@ -27,7 +24,6 @@ __all__ = [
     "FullyShardedDataParallel",
     "NaiveDDP",
     "OverlappedDDP",
-    "OverlappedStepOptimizer",
     "ShardedOptimizer",
     "assign_buckets",
     "gradient_process_group",

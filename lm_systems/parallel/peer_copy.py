@@ -1,9 +1,8 @@
 """All-reduce by peer copies: averaging gradient buckets over the GPUs of one node with copy engines, not SMs.
 
 An NCCL all-reduce's kernel holds SMs for as long as the collective is in flight, waiting for the other
-rank included. Overlapped with backward on two H200s, xl's backward took 162 ms at 25 MB buckets (torch
-DDP too) against 71 ms on one GPU, with NCCL kernels resident for 212 ms of the step
-(benchmarks/results/ddp_xl_2gpu_launch_thread_profile.md). Here every rank's gradient buffer lives in
+rank included, and overlapped with backward it competes with backward's kernels for them. Here every
+rank's gradient buffer lives in
 symmetric memory, which each peer can address, and a bucket is averaged as a reduce-scatter followed by an
 all-gather made of device-to-device copies into the peers' memory, which the copy engines carry over
 NVLink (the idea of torch's "low-contention" symmetric-memory collectives):
@@ -20,9 +19,7 @@ them all: a rank pushes bucket b+1 only after the barrier ending bucket b, which
 reducing out of its inbox. Each part is reduced by one rank and copied to the others, so the replicas'
 gradients are bitwise equal.
 
-Measured on two H200s (benchmarks/results/ddp_paired_xl_2gpu_copy_engine.md, comm_*copy_engine*, comm_chunked_*):
-alone it reaches 0.87-0.95x NCCL's bandwidth from 25 MB up, but in xl training at 25 MB buckets the step
-took 1.08-1.20x NCCL's, and at 1000 MB it tied. An option, not a default.
+An option, not a default; what it measured is in docs/findings/data_parallel_scaling.md.
 """
 
 from __future__ import annotations

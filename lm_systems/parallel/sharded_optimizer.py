@@ -32,11 +32,10 @@ class ShardedOptimizer(StagedOptimizer):
     By default the whole shard is stepped, then exchanged, on the default group. With ``exchange_stages``
     k > 1 the two are pipelined: every rank's shard (per parameter group) is cut into k runs of about
     equal size, and stage i's parameters start travelling as soon as stage i is stepped, while stage
-    i+1 is being stepped. That paid only with the exchange on a high-priority stream
-    (``process_group=gradient_process_group()``, all ranks), as if the multi-tensor update held every SM
-    and a normal-priority NCCL kernel waited for its blocks to be dispatched. On two H200s, xl, 4
-    stages measured 0.97x the one-stage step on a high-priority group (twice) and 1.03x on the default
-    one (benchmarks/results/ddp_paired_xl_2gpu_zero1_{hp_stages,stages}.md); the zero1 strategy uses both.
+    i+1 is being stepped. Stages overlap only with the exchange on a high-priority stream
+    (``process_group=gradient_process_group()``, all ranks): the multi-tensor update fills every SM, and
+    a normal-priority NCCL kernel waits for its blocks to be dispatched. The zero1 strategy uses both
+    (docs/data_parallel.md).
 
     ``param_groups`` are the full groups (see ``StagedOptimizer``, whose stages here hold only this rank's
     parameters); ``state`` holds this rank's shard of the state. ``consolidate_state_dict(to)`` (a collective) gathers a plain

@@ -88,11 +88,13 @@ def test_runs_under_torch_compile():
     # aot_eager traces forward and backward through dynamo and AOTAutograd without a C++ toolchain.
     q, k, v = _inputs((1, 2), 33, 33, 16, torch.float32)
     compiled = torch.compile(FlashAttention2Torch.apply, backend="aot_eager", fullgraph=True)
+    assert rel_error(compiled(q, k, v, True), reference_attention(q, k, v, True)[0]) < 1e-5
     grad_out = torch.randn(1, 2, 33, 16)
     got = _grads(lambda *a: compiled(*a, True), q, k, v, grad_out)
-    want = _grads(lambda *a: FlashAttention2Torch.apply(*a, True), q, k, v, grad_out)
-    for g, r in zip(got, want):
-        assert rel_error(g, r) < 1e-6
+    want = _grads(lambda *a: reference_attention(*a, True)[0], q, k, v, grad_out)
+    # float32 as in test_low_precision_inputs_accumulate_in_fp32: a few ulps (1.2e-7) grown over the 33 keys.
+    for name, g, r in zip("qkv", got, want):
+        assert rel_error(g, r) < 1e-5, name
 
 
 @pytest.mark.parametrize("make_bad,message", [

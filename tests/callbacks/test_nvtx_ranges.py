@@ -6,7 +6,7 @@ import lightning.pytorch as L
 import torch
 
 from callbacks import NVTXRanges
-from tests.callbacks.tiny_training import RandomTokenLM, fit
+from tiny_training import RandomTokenLM, fit
 
 
 class RangeRecorder:

@@ -1,5 +1,4 @@
-"""MFUMonitor: tokens counted as B·T, MFU against the given peak, evaluation counted as forward only;
-and the dense peak-FLOP/s table it shares with the model benchmark."""
+"""MFUMonitor: tokens counted as B·T, MFU against the given peak, evaluation counted as forward only."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from callbacks import MFUMonitor
-from lm_systems.hardware import PEAK_FLOPS, chip_name, peak_flops
-from tests.callbacks.tiny_training import BATCH, CONFIG, RandomTokenLM, fit
+from tiny_training import BATCH, CONFIG, RandomTokenLM, fit
 
 PEAK = 2.5e12  # any positive number: MFU must be the achieved FLOP/s over it
 
@@ -64,32 +62,3 @@ def test_non_token_batches_are_refused(tmp_path):
     )
     with pytest.raises(TypeError, match=r"\(B, T \+ 1\) token batches"):
         trainer.fit(DictBatchLM(), DataLoader(windows, batch_size=2))
-
-
-@pytest.mark.parametrize(
-    "device_name, chip",
-    [
-        ("NVIDIA H100 80GB HBM3", "h100 sxm"),
-        ("NVIDIA H100 PCIe", "h100 pcie"),
-        ("NVIDIA H100 NVL", "h100 nvl"),
-        ("NVIDIA H200", "h200 sxm"),
-        ("NVIDIA H200 NVL", "h200 nvl"),
-        ("NVIDIA A100-SXM4-80GB", "a100"),
-        ("Tesla T4", None),
-    ],
-)
-def test_device_names_map_to_chips(device_name, chip):
-    assert chip_name(device_name) == chip
-
-
-def test_peak_is_dense_and_follows_matmul_precision(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    cuda = torch.device("cuda")
-    assert peak_flops(cuda, torch.bfloat16) == pytest.approx(989.4e12)  # not the 2:4-sparse 1979
-    assert peak_flops(cuda, torch.float32) == pytest.approx(66.9e12)
-    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
-    assert peak_flops(cuda, torch.float32) == pytest.approx(494.7e12)  # TF32 on the tensor cores
-    assert peak_flops("cpu", torch.bfloat16) is None
-    for rates in PEAK_FLOPS.values():  # tensor cores: bf16 = fp16 = 2 × TF32, far above plain fp32
-        assert rates[torch.bfloat16] == rates[torch.float16] == pytest.approx(2 * rates["tf32"], rel=1e-3)
-        assert rates[torch.float32] < rates["tf32"] / 5

@@ -1,4 +1,5 @@
-"""Every profiling callback together on the project's own LitLM and LMDataModule, and the example config."""
+"""Every profiling callback together on the project's own LitLM and LMDataModule (configs/profiling.yaml's
+use through train.py is in tests/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,12 @@ from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
 from callbacks import MemorySnapshot, MFUMonitor, NVTXRanges, StepTimer
+from lm_systems.data.datamodule import LMDataModule
+from lm_systems.lit_module import LitLM
 
-pytest.importorskip("datasets", reason="LMDataModule needs the datasets package (absent on the lent GPU image)")
-
-from lm_systems.cli import main  # noqa: E402
-from lm_systems.data.datamodule import LMDataModule  # noqa: E402
-from lm_systems.lit_module import LitLM  # noqa: E402
-
-
-REPO = Path(__file__).resolve().parents[2]
 # A model and corpus small enough that data preparation and 8 steps take seconds on two cores.
 SMALL_MODEL = {"size": "tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64, "sample_prompt": ""}
 SMALL_DATA = {"generated_stories": 200, "vocab_size": 280, "batch_size": 2, "val_batches": 2}
@@ -53,21 +47,3 @@ def test_litlm_trains_with_every_profiling_callback(tmp_path):
     flops_per_token = module.flops_per_batch / (2 * 24)  # LitLM's flops_per_batch: flops_per_token × B × T
     assert mfu == pytest.approx(tokens_per_s * flops_per_token / 1e12)
 
-
-PROFILING_CALLBACKS = {"StepTimer", "MFUMonitor", "MemorySnapshot", "NVTXRanges"}
-CONFIG_ARGS = ["-c", str(REPO / "configs/profiling.yaml"), "--trainer.accelerator", "cpu", "--trainer.logger", "false"]
-
-
-def test_profiling_config_builds_every_callback_and_the_profiler(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    cli = LightningCLI(LitLM, LMDataModule, run=False, save_config_callback=None, args=CONFIG_ARGS)
-    assert PROFILING_CALLBACKS <= {type(c).__name__ for c in cli.trainer.callbacks}
-    assert type(cli.trainer.profiler).__name__ == "PyTorchProfiler"
-    assert cli.trainer.profiler._profiler_kwargs["profile_memory"] is True
-
-
-def test_train_py_keeps_the_configured_callbacks(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(L.Trainer, "fit", lambda *args, **kwargs: None)  # build everything, train nothing
-    cli = main(["fit", *CONFIG_ARGS])
-    assert PROFILING_CALLBACKS | {"IntervalCheckpoint"} <= {type(c).__name__ for c in cli.trainer.callbacks}

@@ -170,14 +170,15 @@ class RankRecorder(BatchRecorder):
         torch.save({"train": self.seen, "val": self.val_seen}, f"{self.out_dir}/rank{self.global_rank}.pt")
 
 
+@pytest.mark.slow
 def test_two_processes_train_on_different_windows_and_split_validation(tmp_path):
-    if torch.cuda.is_initialized():
-        pytest.skip("Lightning refuses to fork after CUDA is initialised; this runs in CPU-only sessions")
-    # Forked rather than spawned: a spawned rank re-imports torch and Lightning (~50 s on two busy cores).
+    # Forked where possible: a spawned rank re-imports torch and Lightning (~50 s on two busy cores). Once
+    # a GPU test has initialised CUDA in this process Lightning refuses to fork, so GPU sessions spawn.
+    start = "ddp_spawn" if torch.cuda.is_initialized() else "ddp_fork"
     module = generated(tmp_path, val_batches=4)
-    module.prepare_data()  # once here, so the spawned ranks only read the cache
+    module.prepare_data()  # once here, so the ranks only read the cache
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=3, val_check_interval=3, num_sanity_val_steps=0,
+        accelerator="cpu", devices=2, strategy=start, max_steps=3, val_check_interval=3, num_sanity_val_steps=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )

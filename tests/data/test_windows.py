@@ -15,7 +15,7 @@ from lm_systems.data.windows import TrainWindowStream, ValidationWindows, train_
 @pytest.fixture
 def unique_tokens(tmp_path):
     """A token file whose ids are all distinct, so a window's first id tells where it starts."""
-    tokens = np.random.permutation(5003).astype(np.uint16)
+    tokens = np.random.default_rng(0).permutation(5003).astype(np.uint16)
     path = tmp_path / "train.npy"
     np.save(path, tokens)
     return path, tokens
@@ -93,7 +93,7 @@ def test_validation_windows_do_not_overlap_and_spread_over_the_split(num_tokens,
 
 
 def test_validation_shards_are_disjoint_equal_and_cover_the_set(tmp_path):
-    tokens = np.random.randint(0, 300, size=997).astype(np.uint16)
+    tokens = np.random.default_rng(1).integers(0, 300, size=997).astype(np.uint16)
     path = tmp_path / "validation.npy"
     np.save(path, tokens)
     starts = validation_window_starts(len(tokens), 11, 1000, world_size=3)
@@ -105,7 +105,7 @@ def test_validation_shards_are_disjoint_equal_and_cover_the_set(tmp_path):
 
 
 def test_validation_windows_with_workers_match_without(tmp_path):
-    tokens = np.random.randint(0, 300, size=500).astype(np.uint16)
+    tokens = np.random.default_rng(2).integers(0, 300, size=500).astype(np.uint16)
     path = tmp_path / "validation.npy"
     np.save(path, tokens)
     dataset = ValidationWindows(path, validation_window_starts(500, 8, 60, 1), 8, batch_size=7, rank=0, world_size=1)

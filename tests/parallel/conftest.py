@@ -1,22 +1,17 @@
 """Spawning two gloo ranks for the container tests."""
 
-import socket
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lm_systems.parallel.ports import free_port
 
 
 def _spawn_two_ranks(worker, out_dir) -> None:
     """Run ``worker(rank, 2, port, out_dir)`` on two processes; a failure in either fails the test."""
-    mp.spawn(worker, args=(2, _free_port(), str(out_dir)), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +22,7 @@ def spawn_two_ranks():
 @pytest.fixture
 def single_rank_group():
     """A one-process gloo group in this process, destroyed afterwards."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=60))
     yield
     dist.destroy_process_group()

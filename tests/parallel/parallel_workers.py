@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm_systems.parallel import DDPBucketed, DDPIndividualParameters, NaiveDDP, OverlappedStepOptimizer, ShardedOptimizer
+from lm_systems.parallel import DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer
 from lm_systems.parallel.collectives import GradientAverager
 
 VOCAB, DIM, BATCH, STEPS, MICRO_BATCHES = 37, 13, 3, 3, 2
@@ -59,19 +59,14 @@ def global_batches(world_size: int, micro_batches: int) -> list[torch.Tensor]:
 
 
 def make_optimizer(model: nn.Module, sharded: str | None, exchange_stages: int = 1,
-                   process_group: dist.ProcessGroup | None = None, overlapped: nn.Module | None = None,
-                   ) -> torch.optim.Optimizer:
-    """AdamW over two groups; the sharded one (``sharded``: its exchange) and the one whose step overlaps
-    ``overlapped``'s averaging (in ``exchange_stages`` stages) get their second group through add_param_group."""
+                   process_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+    """AdamW over two groups; the sharded one (``sharded``: its exchange) gets its second group through
+    add_param_group."""
     named = dict(model.named_parameters())
     first = [named[n] for n in ("embed.weight", "hidden.weight", "hidden.bias")]
     second = [p for n, p in named.items() if p.requires_grad and n not in ("embed.weight", "hidden.weight", "hidden.bias")]
     # A large eps keeps the update sensitive to the gradient scale (plain Adam is nearly scale-invariant).
     kwargs = dict(lr=0.05, weight_decay=0.1, betas=(0.8, 0.9), eps=0.1)
-    if overlapped is not None:
-        optimizer = OverlappedStepOptimizer(first, overlapped, torch.optim.AdamW, stages=exchange_stages, **kwargs)
-        optimizer.add_param_group({"params": second, "lr": 0.02})
-        return optimizer
     if sharded is None:
         return torch.optim.AdamW([{"params": first}, {"params": second, "lr": 0.02}], **kwargs)
     optimizer = ShardedOptimizer(first, torch.optim.AdamW, exchange=sharded, exchange_stages=exchange_stages,
@@ -147,30 +142,18 @@ CONTAINERS = {
 }
 
 
-# The optimizer finishes the synchronisation, stepping in stages (run name → container, stages).
-OVERLAPPED_STEP_RUNS = {
-    "bucketed_overlapped_step": ("bucketed", 3),
-    "bucketed_overlapped_step_one_stage": ("bucketed", 1),
-    "bucketed_overlapped_step_more_stages_than_buckets": ("bucketed", 50),
-    "individual_overlapped_step": ("individual", 2),
-    "bucketed_frozen_never_used_overlapped_step": ("bucketed_frozen_never_used", 3),
-}
 # Gradients averaged in bf16 match the fp32 reference only to bf16's precision.
 TOLERANCE = {"bucketed_bf16_comm": 2e-3}
 
 
 def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None,
-               exchange_stages: int = 1, exchange_group: dist.ProcessGroup | None = None,
-               overlapped_step: bool = False):
-    """Train a fresh, rank-seeded ToyNet; returns (what the tests check, the container, its optimizer).
-    With ``overlapped_step`` an OverlappedStepOptimizer (``exchange_stages`` stages) finishes the
-    gradient synchronisation inside its step."""
+               exchange_stages: int = 1, exchange_group: dist.ProcessGroup | None = None):
+    """Train a fresh, rank-seeded ToyNet; returns (what the tests check, the container, its optimizer)."""
     torch.manual_seed(100 + rank)  # every rank starts from different weights: the container must broadcast
     before = ToyNet()
     model = CONTAINERS[container](copy.deepcopy(before))
     initial = copy.deepcopy(model.module)  # rank 0's weights, after the broadcast
-    optimizer = make_optimizer(model.module, sharded, exchange_stages, exchange_group,
-                               overlapped=model if overlapped_step else None)
+    optimizer = make_optimizer(model.module, sharded, exchange_stages, exchange_group)
     report = {"no_sync_all_reduces": 0, "all_reduces_during_backward": []}
     for batch in global_batches(world_size, MICRO_BATCHES):
         optimizer.zero_grad(set_to_none=set_to_none)
@@ -180,8 +163,7 @@ def train_with(container: str, rank: int, world_size: int, set_to_none: bool = T
         with AllReduceCounter() as counter:
             (shard_loss(model, batch[rank, 1], rank) / MICRO_BATCHES).backward()
             report["all_reduces_during_backward"].append(counter.calls)
-            if not overlapped_step:
-                model.finish_gradient_synchronization()
+            model.finish_gradient_synchronization()
             optimizer.step()
         report["launching_threads"] = sorted(counter.threads)
         report["rank0_only_grad_is_none"] = model.module.rank0_only.weight.grad is None
@@ -193,7 +175,6 @@ def train_with(container: str, rank: int, world_size: int, set_to_none: bool = T
         reference, reference_optimizer = reference_training(initial, world_size, MICRO_BATCHES)
         report["reference"] = reference.state_dict()
         report["reference_optimizer"] = reference_optimizer.state_dict()
-        report["optimizer"] = copy.deepcopy(optimizer.state_dict()) if not sharded else None
     return report, model, optimizer
 
 
@@ -210,8 +191,6 @@ def run_containers(rank: int, world_size: int, port: int, out_dir: str) -> None:
     try:
         runs = {name: train_with(name, rank, world_size)[0] for name in CONTAINERS}
         runs["bucketed_keep_grads"] = train_with("bucketed", rank, world_size, set_to_none=False)[0]
-        for name, (container, stages) in OVERLAPPED_STEP_RUNS.items():
-            runs[name] = train_with(container, rank, world_size, exchange_stages=stages, overlapped_step=True)[0]
         torch.save(runs, Path(out_dir) / f"containers_rank{rank}.pt")
     finally:
         dist.destroy_process_group()

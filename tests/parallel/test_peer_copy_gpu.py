@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -13,16 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from lm_systems.parallel.ports import free_port
+
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _on_two_gpus(rank: int, world_size: int, port: int, body_name: str) -> None:
@@ -87,4 +83,4 @@ def _bucketed_trains_as_with_nccl(rank: int) -> None:
 
 @pytest.mark.parametrize("body", ["_averager_matches_nccl", "_bucketed_trains_as_with_nccl"])
 def test_copy_engine_all_reduce(body):
-    mp.spawn(_on_two_gpus, args=(2, _free_port(), body), nprocs=2, join=True)
+    mp.spawn(_on_two_gpus, args=(2, free_port(), body), nprocs=2, join=True)

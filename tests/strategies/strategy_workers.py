@@ -23,6 +23,10 @@ from strategies import BucketedDDPStrategy, Zero1Strategy
 VOCAB, DIM, SEQ = 23, 11, 6
 MICRO_BATCH, ACCUMULATE, WORLD = 3, 2, 2
 STEPS_PER_EPOCH, EPOCHS = 2, 2
+# Above every gradient norm of these runs (0.86-1.18 on the global batch, twice that if a strategy summed
+# instead of averaging), so clipping never engages on correct gradients and the final weights keep the
+# gradient's scale; gradients left scaled by a GradScaler (x65536) would be clipped and fail the comparison.
+CLIP = 5.0
 COMMUNICATING = [(dist, name) for name in ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")]
 COMMUNICATING.append((GradientAverager, "start"))  # the containers' gradient all-reduces bypass dist.all_reduce
 COMMUNICATING.append((sharded_unit, "_reduce_scatter_flat"))  # zero3's gradient reduce-scatters
@@ -179,7 +183,7 @@ def make_trainer(strategy, devices: int, out_dir: str, tag: str, accelerator: st
         strategy=strategy,
         max_steps=STEPS_PER_EPOCH * EPOCHS,
         accumulate_grad_batches=ACCUMULATE,
-        gradient_clip_val=0.3,
+        gradient_clip_val=CLIP,
         limit_val_batches=2,
         num_sanity_val_steps=0,
         logger=False,

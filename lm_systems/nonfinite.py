@@ -1,0 +1,69 @@
+"""NonFiniteGuard: notices non-finite losses and gradient norms without a host sync on the steps that are fine."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+
+NonFinitePolicy = Literal["stop", "skip"]
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Training produced a non-finite loss or gradient norm and was stopped."""
+
+
+class NonFiniteGuard:
+    """Device-side record of the optimizer steps whose loss or gradient norm was not finite.
+
+    ``observe`` only queues device work and returns the step's "bad" flag (a 0-dim bool tensor);
+    ``check`` reads the record (one host sync) and raises ``NonFiniteTrainingError`` when training
+    must stop: under ``"stop"`` at the first bad step, under ``"skip"`` (the caller drops bad steps'
+    updates) once ``max_consecutive_skips`` bad steps came in a row.
+    """
+
+    def __init__(self, policy: NonFinitePolicy = "stop", max_consecutive_skips: int = 10) -> None:
+        if policy not in NONFINITE_POLICIES:
+            raise ValueError(f"--model.on_nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
+        if max_consecutive_skips < 1:
+            raise ValueError(f"--model.max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
+        self.policy = policy
+        self.max_consecutive_skips = max_consecutive_skips
+        self._first_bad_step: Optional[torch.Tensor] = None  # -1 until a bad step is seen
+        self._skipped = self._run = None  # bad steps in all, and in the current run of them
+
+    def observe(self, step: int, *values: Optional[torch.Tensor]) -> torch.Tensor:
+        """Record optimizer step ``step`` from its scalar ``values`` (None entries are ignored)."""
+        present = [v.detach().float() for v in values if v is not None]
+        bad = ~torch.isfinite(torch.stack(present)).all()
+        if self._first_bad_step is None:
+            self._first_bad_step = torch.full((), -1, dtype=torch.int64, device=bad.device)
+            self._skipped = torch.zeros((), dtype=torch.int64, device=bad.device)
+            self._run = torch.zeros((), dtype=torch.int64, device=bad.device)
+        first_seen = bad & (self._first_bad_step < 0)
+        self._first_bad_step = torch.where(first_seen, step, self._first_bad_step)
+        self._skipped = self._skipped + bad
+        self._run = (self._run + 1) * bad
+        return bad
+
+    @property
+    def skipped_steps(self) -> Optional[torch.Tensor]:
+        """How many observed steps were bad (a device tensor), or None before the first step."""
+        return self._skipped
+
+    def check(self, advice: str) -> None:
+        """Raise ``NonFiniteTrainingError`` (with ``advice`` appended) if training must stop."""
+        if self._first_bad_step is None:
+            return
+        first_bad, run = int(self._first_bad_step), int(self._run)
+        if self.policy == "stop" and first_bad >= 0:
+            raise NonFiniteTrainingError(
+                f"the loss or gradient norm was not finite at optimizer step {first_bad}: training stopped, and no "
+                f"checkpoint of the weights since then was written. {advice} (or pass --model.on_nonfinite skip)"
+            )
+        if self.policy == "skip" and run >= self.max_consecutive_skips:
+            raise NonFiniteTrainingError(
+                f"{run} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
+                f"(limit --model.max_consecutive_skips {self.max_consecutive_skips}): training stopped. {advice}"
+            )

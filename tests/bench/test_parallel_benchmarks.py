@@ -1,0 +1,178 @@
+"""The communication and data-parallel benchmarks: their arithmetic on hand-made numbers, and end to end on the
+CPU (gloo, two processes, tiny sizes; each benchmark run once per module and shared by the tests that read it)."""
+
+import csv
+
+import pytest
+
+from lm_systems.bench import comm, ddp, ddp_paired
+from lm_systems.bench.ddp_variants import Variant
+
+TINY = ["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device", "cpu",
+        "--nproc", "2"]
+DDP_VARIANTS = ["single", "torch_ddp", "bucketed_1", "zero1", "bucketed_1+hp+bf16", "bucketed_1+thread"]
+PAIRS = [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+bf16"), ("zero1", "zero1+thread+stages4"),
+         ("single", "no_comm")]
+
+
+def test_bus_bandwidth_at_four_ranks():
+    # A ring all-reduce over n ranks moves 2(n-1)/n of the bytes over each link: 1.5 at n = 4.
+    assert comm.bus_bandwidth(nbytes=1_000_000_000, seconds=1.0, nproc=4) == pytest.approx(1.5e9)
+    assert comm.bus_bandwidth(nbytes=400_000_000, seconds=0.5, nproc=4) == pytest.approx(1.2e9)
+    assert comm.bus_bandwidth(nbytes=1_000_000_000, seconds=2.0, nproc=2) == pytest.approx(0.5e9)
+
+
+def test_comm_bench_reports_bandwidths(tmp_path):
+    rows = comm.main(["--backend", "gloo", "--nproc", "2", "--sizes-mb", "0.01,0.1", "--iters", "2",
+                      "--warmup", "1", "--out-dir", str(tmp_path)])
+    assert [r["size_mb"] for r in rows] == [0.01, 0.1]
+    for row in rows:
+        seconds = row["time_ms"] * 1e-3
+        assert row["algbw_GBps"] == pytest.approx(row["size_mb"] * 1e6 / seconds / 1e9)
+        assert row["busbw_GBps"] == pytest.approx(row["size_mb"] * 1e6 / seconds / 1e9)  # n = 2: 2(n-1)/n = 1
+    assert {p.name for p in tmp_path.iterdir()} == {f"comm_gloo_2proc.{ext}" for ext in ("csv", "md", "png")}
+
+
+def test_comm_bench_all_reduces_in_chunks(tmp_path):
+    rows = comm.main(["--backend", "gloo", "--nproc", "2", "--sizes-mb", "0.1", "--chunk-mb", "0.03", "--iters", "2",
+                      "--warmup", "1", "--out-dir", str(tmp_path)])
+    assert [(r["size_mb"], r["chunk_mb"]) for r in rows] == [(0.1, 0.03)] and rows[0]["time_ms"] > 0
+
+
+@pytest.mark.parametrize("bad, said", [(["--ops", "copy_engine"], "gloo has neither avg nor copy_engine"),
+                                       (["--ops", "avg"], "gloo has neither avg nor copy_engine"),
+                                       (["--chunk-mb", "0"], "--chunk-mb must be positive")])
+def test_comm_bench_names_bad_options(bad, said, capsys):
+    with pytest.raises(SystemExit):
+        comm.parse_args(["--backend", "gloo", *bad])
+    assert said in capsys.readouterr().err
+
+
+def test_summary_takes_ratios_within_each_round():
+    rows = [{"round": 0, "variant": "single", "nproc": 1, "step_ms": 100.0, "replicas_equal": True},
+            {"round": 0, "variant": "torch_ddp", "nproc": 2, "step_ms": 120.0, "replicas_equal": True},
+            {"round": 0, "variant": "bucketed_25", "nproc": 2, "step_ms": 150.0, "replicas_equal": True},
+            {"round": 1, "variant": "single", "nproc": 1, "step_ms": 110.0, "replicas_equal": True},
+            {"round": 1, "variant": "torch_ddp", "nproc": 2, "step_ms": 100.0, "replicas_equal": True},
+            {"round": 1, "variant": "bucketed_25", "nproc": 2, "step_ms": 130.0, "replicas_equal": False}]
+    summary = {r["variant"]: r for r in ddp.summarize(rows)}
+    bucketed = summary["bucketed_25"]
+    assert bucketed["step_ms"] == 140.0 and bucketed["rounds"] == 2
+    assert bucketed["vs_torch_ddp"] == pytest.approx((150 / 120 + 130 / 100) / 2)  # 1.275, not 140 / 110
+    assert bucketed["scaling_eff"] == pytest.approx((100 / 150 + 110 / 130) / 2)
+    assert summary["single"]["vs_torch_ddp"] == pytest.approx((100 / 120 + 110 / 100) / 2)
+    assert not bucketed["replicas_equal"] and summary["torch_ddp"]["replicas_equal"]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    rows = ddp.main([*TINY, "--steps", "1", "--warmup", "1", "--instrumented-steps", "1", "--rounds", "1",
+                     "--variants", ",".join(DDP_VARIANTS), "--out-dir", str(out)])
+    with open(out / "ddp_tiny_2cpu.csv") as f:
+        return rows, {row["variant"]: row for row in csv.DictReader(f)}, out
+
+
+def test_ddp_bench_compares_variants_and_keeps_replicas_equal(ddp_run):
+    rows, summary, out = ddp_run
+    assert [r["variant"] for r in rows] == DDP_VARIANTS and list(summary) == DDP_VARIANTS
+    assert all(row["replicas_equal"] == "True" for row in summary.values())
+    # ZeRO-1 keeps half of AdamW's state per rank on two ranks.
+    full, sharded = float(summary["bucketed_1"]["opt_state_GB"]), float(summary["zero1"]["opt_state_GB"])
+    assert 0.4 * full < sharded < 0.6 * full
+    assert (out / "ddp_tiny_2cpu.png").exists() and (out / "ddp_tiny_2cpu.md").exists()
+
+
+def test_ddp_bench_times_the_phases_of_a_step(ddp_run):
+    rows, _, _ = ddp_run
+    for row in rows:
+        phases = [row[f"{p}_ms"] for p in ("forward", "backward", "sync", "optimizer")]
+        assert all(t >= 0 for t in phases) and row["step_ms"] > 0
+    assert {r["variant"]: r["nproc"] for r in rows}["single"] == 1
+
+
+@pytest.mark.parametrize("bad, said", [
+    ("bucketed_x", "unknown variant 'bucketed_x'"), ("torch_ddp+fast", "unknown option 'fast'"),
+    ("single+bf16", "takes no communication options"), ("torch_ddp+thread", "not 'torch_ddp'"),
+    ("bucketed_25+stages2", "not 'bucketed_25'"), ("zero1+stages0", "unknown option 'stages0'"),
+    ("no_comm+hp", "takes no communication options"), ("torch_ddp+ce", "not 'torch_ddp'"),
+    ("bucketed_25+ctas", "unknown option 'ctas'")])
+def test_ddp_bench_names_a_bad_variant_or_option(bad, said, capsys):
+    with pytest.raises(SystemExit):
+        ddp.parse_args(["--device", "cpu", "--variants", bad])
+    assert "--variants" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=said):
+        Variant.parse(bad)
+
+
+def test_variant_options_parse():
+    assert Variant.parse("bucketed_25+ctas8+bf16") == Variant("bucketed_25", True, 8, True)
+    assert Variant.parse("torch_ddp+hp").group_key == (True, None)
+    assert Variant.parse("torch_ddp").group_key is None
+    assert Variant.parse("bucketed_25+thread").launch_thread
+    assert Variant.parse("zero1+thread+stages1").exchange_stages == 1
+    assert Variant.parse("zero1").exchange_stages is None
+    assert Variant.parse("bucketed_25+thread+ce").copy_engine and Variant.parse("zero1+ce").copy_engine
+    assert not Variant.parse("bucketed_25").copy_engine
+
+
+@pytest.fixture(scope="module")
+def paired_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("paired")
+    rows = ddp_paired.main([*TINY, "--warmup", "1", "--iterations", "3", "--steps-per-turn", "2",
+                            "--pairs", ",".join(f"{a}:{b}" for a, b in PAIRS), "--out-dir", str(out)])
+    return rows, out
+
+
+def test_paired_bench_alternates_variants_and_reports_ratios(paired_run):
+    rows, out = paired_run
+    assert [(r["A"], r["B"]) for r in rows] == PAIRS
+    for row in rows:
+        assert row["iterations"] == 3 and row["A_ms"] > 0 and row["B_ms"] > 0
+        assert row["B_over_A_q1"] <= row["B_over_A"] <= row["B_over_A_q3"]
+    assert (out / "ddp_paired_tiny_2cpu.csv").exists()
+
+
+def test_pair_row_takes_the_median_of_per_iteration_ratios():
+    row = ddp_paired.pair_row(("a", "b"), ([0.1, 0.2, 0.1], [0.12, 0.2, 0.15]))
+    assert row["B_over_A"] == pytest.approx(1.2)  # ratios 1.2, 1.0, 1.5
+    assert row["A_ms"] == pytest.approx(100.0) and row["B_ms"] == pytest.approx(150.0)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--pairs", "torch_ddp"], "a pair is A:B, got 'torch_ddp'"),
+    (["--pairs", "torch_ddp:bucketed_x"], "unknown variant 'bucketed_x'"),
+    (["--attention", "fastest"], "unknown --attention 'fastest'"),
+    (["--steps-per-turn", "0"], "--steps-per-turn must be at least 1, got 0")])
+def test_paired_bench_names_a_bad_pair(argv, said, capsys):
+    with pytest.raises(SystemExit):
+        ddp_paired.parse_args(["--device", "cpu", *argv])
+    assert said in capsys.readouterr().err
+
+
+def test_paired_bench_defaults_to_sdpa_attention():
+    assert ddp_paired.parse_args(["--device", "cpu"]).attention == "sdpa"  # as bench.ddp's
+
+
+def test_compile_flag_takes_an_optional_mode_that_names_the_results(capsys):
+    eager = ddp.parse_args(["--device", "cpu"])
+    default = ddp.parse_args(["--device", "cpu", "--compile"])
+    graphs = ddp.parse_args(["--device", "cpu", "--compile", "reduce-overhead"])
+    assert (eager.compile, default.compile, graphs.compile) == (None, "default", "reduce-overhead")
+    assert [ddp.run_label(a) for a in (eager, default, graphs)] == ["xl_2cpu", "xl_2cpu_compiled",
+                                                                     "xl_2cpu_compiled_reduce_overhead"]
+    assert "(mode reduce-overhead)" in ddp.setup_description(graphs)
+    with pytest.raises(SystemExit):
+        ddp.parse_args(["--device", "cpu", "--compile", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_reduce_overhead_runs_visit_after_visit(tmp_path):
+    # Every visit after the first drops the compiled code (its CUDA graph pools would otherwise pile up on a
+    # GPU) and compiles afresh; on the CPU there are no graphs, but the reset and recompiles run the same way.
+    rows = ddp.main([*TINY, "--steps", "1", "--warmup", "1", "--instrumented-steps", "0", "--rounds", "2",
+                     "--variants", "single,bucketed_1", "--compile", "reduce-overhead", "--out-dir", str(tmp_path)])
+    assert [(r["round"], r["variant"]) for r in rows] == [(0, "single"), (0, "bucketed_1"), (1, "single"),
+                                                          (1, "bucketed_1")]
+    assert all(r["replicas_equal"] and r["step_ms"] > 0 for r in rows)
+    assert (tmp_path / "ddp_tiny_2cpu_compiled_reduce_overhead.csv").exists()

@@ -1,0 +1,108 @@
+"""`python train.py ...` on one GPU, run as the user runs it (a subprocess): every strategy in every precision
+with clipping on, compiled blocks, the Triton kernel, resuming from last.ckpt, and the shipped configs.
+
+Each run must exit 0, lower the training loss (TensorBoard's train/loss, first logged value against the
+last) and leave a checkpoint whose weights load and are finite.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 40
+SHORT = ["--max_steps", str(STEPS), "--trainer.val_check_interval", "20", "--trainer.log_every_n_steps", "5",
+         "--trainer.enable_progress_bar", "false", "--model.sample_tokens", "8"]
+OUR_STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1"]
+PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """The generated corpus and tokenizer, built by the first run and shared by the others."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def train_py(run_dir: Path, cache_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(REPO / "train.py"), *SHORT, "--data.cache_dir", str(cache_dir), *args]
+    done = subprocess.run(command, cwd=run_dir, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+def version_dir(run_dir: Path) -> Path:
+    (events,) = {p.parent for p in run_dir.rglob("events.out.tfevents.*")}
+    return events
+
+
+def logged(run_dir: Path, tag: str) -> list[float]:
+    events = EventAccumulator(str(version_dir(run_dir))).Reload()
+    return [e.value for e in events.Scalars(tag)]
+
+
+def assert_trained(run_dir: Path) -> dict:
+    losses = logged(run_dir, "train/loss")
+    assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], losses
+    checkpoint = torch.load(version_dir(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    weights = [t for k, t in checkpoint["state_dict"].items() if k.startswith("model.")]
+    assert weights and all(torch.isfinite(t).all() for t in weights)
+    return checkpoint
+
+
+def test_the_default_run(tmp_path, cache_dir):
+    train_py(tmp_path, cache_dir)
+    assert_trained(tmp_path)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("strategy", ["auto", "ddp", *OUR_STRATEGIES])
+def test_strategy_and_precision_on_one_gpu(strategy, precision, tmp_path, cache_dir):
+    train_py(tmp_path, cache_dir, "--strategy", strategy, "--devices", "1", "--precision", precision,
+             "--trainer.gradient_clip_val", "1.0")
+    assert_trained(tmp_path)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
+def test_compiled_blocks(attention, tmp_path, cache_dir):
+    train_py(tmp_path, cache_dir, "--model.compile", "true", "--model.attention", attention, "--precision", "bf16-mixed")
+    assert_trained(tmp_path)
+
+
+def test_flash_triton_attention(tmp_path, cache_dir):
+    done = train_py(tmp_path, cache_dir, "--model.attention", "flash_triton", "--precision", "bf16-mixed",
+                    "--strategy", "bucketed_ddp")
+    assert "attention=flash_triton" in done.stdout + done.stderr
+    assert_trained(tmp_path)
+
+
+def test_resume_from_last_checkpoint_continues_the_step_count(tmp_path, cache_dir):
+    train_py(tmp_path, cache_dir, "--precision", "bf16-mixed")
+    last = version_dir(tmp_path) / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == STEPS
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    train_py(resumed, cache_dir, "--precision", "bf16-mixed", "--ckpt_path", str(last), "--max_steps", str(2 * STEPS))
+    assert torch.load(version_dir(resumed) / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=False)["global_step"] == 2 * STEPS
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_shipped_config(config, tmp_path, cache_dir):
+    """Each shipped config for a few steps at its own size and precision (TinyStories' data swapped for the
+    generated corpus: nothing is downloaded here); the loss must fall within those steps."""
+    data = ["--data.corpus", "generated"] if config == "tinystories.yaml" else []
+    train_py(tmp_path, cache_dir, "-c", str(REPO / "configs" / config), *SHORT, *data, "--max_steps", "12",
+             "--model.warmup_steps", "2",
+             "--trainer.val_check_interval", "12", "--trainer.log_every_n_steps", "2", "--data.val_batches", "1",
+             "--trainer.accumulate_grad_batches", "1", timeout=900)
+    assert_trained(tmp_path)
