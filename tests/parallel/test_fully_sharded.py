@@ -172,3 +172,18 @@ def test_units_are_the_outermost_modules_of_the_given_types(single_rank_group):
     assert [unit.prefix for unit in model._units] == ["embed", "block"]
     assert tuple(model.module.block.up.weight.shape) == (26, 13)  # world size 1: a shard is the whole
     assert sorted(UNITS) == sorted(u.prefix for u in FullyShardedDataParallel(ShardToy())._units)
+
+
+def test_optimizer_groups_see_the_shards_as_they_saw_the_parameters(single_rank_group):
+    """Shards keep their names, modules and dims: LitLM's weight-decay grouping puts each where it was."""
+    from lm_systems.config import ModelConfig
+    from lm_systems.model import TransformerLM
+    from lm_systems.optim import adamw_param_groups
+
+    model = TransformerLM(ModelConfig.from_name("tiny", vocab_size=65, d_model=32, num_layers=2, num_heads=2, d_ff=48))
+    names = {id(p): n for n, p in model.named_parameters()}
+    before = [[names[id(p)] for p in group["params"]] for group in adamw_param_groups(model, 0.1)]
+    wrapped = FullyShardedDataParallel(model)
+    names = {id(p): n for n, p in wrapped.module.named_parameters()}
+    assert [[names[id(p)] for p in group["params"]] for group in adamw_param_groups(wrapped.module, 0.1)] == before
+    assert len(wrapped._units) == 2 + 2  # the blocks, the embedding and the LM head

@@ -176,14 +176,15 @@ def make_strategy(name: str):
     return name
 
 
-def make_trainer(strategy, devices: int, out_dir: str, tag: str, accelerator: str = "cpu", **kwargs) -> L.Trainer:
+def make_trainer(strategy, devices: int, out_dir: str, tag: str, accelerator: str = "cpu", clip: float = CLIP,
+                 **kwargs) -> L.Trainer:
     return L.Trainer(
         accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         max_steps=STEPS_PER_EPOCH * EPOCHS,
         accumulate_grad_batches=ACCUMULATE,
-        gradient_clip_val=CLIP,
+        gradient_clip_val=clip,
         limit_val_batches=2,
         num_sanity_val_steps=0,
         logger=False,
@@ -203,7 +204,8 @@ def join_as_launched_process(rank: int, world_size: int, port: int) -> None:
                       LOCAL_RANK=str(rank), NODE_RANK="0")
 
 
-def run_cpu_strategies(rank: int, world_size: int, port: int, out_dir: str, names: list[str]) -> None:
+def run_cpu_strategies(rank: int, world_size: int, port: int, out_dir: str, names: list[str],
+                       clip: float = CLIP) -> None:
     """Each strategy once; the CHECKPOINTED ones keep their end-of-epoch checkpoints and are then resumed
     from epoch 0's."""
     join_as_launched_process(rank, world_size, port)
@@ -212,13 +214,15 @@ def run_cpu_strategies(rank: int, world_size: int, port: int, out_dir: str, name
             if name in CHECKPOINTED:
                 checkpoint = ModelCheckpoint(dirpath=Path(out_dir) / f"{name}_ckpt", every_n_epochs=1, save_top_k=-1,
                                              save_on_train_epoch_end=True)
-                trainer = make_trainer(name, world_size, out_dir, name, callbacks=[checkpoint])
+                trainer = make_trainer(name, world_size, out_dir, name, clip=clip, callbacks=[checkpoint])
             else:
-                trainer = make_trainer(make_strategy(name), world_size, out_dir, name, enable_checkpointing=False)
+                trainer = make_trainer(make_strategy(name), world_size, out_dir, name, clip=clip,
+                                       enable_checkpointing=False)
             trainer.fit(TinyLM(), datamodule=TinyData())
         for name in CHECKPOINTED:
             if name in names:
-                trainer = make_trainer(name, world_size, out_dir, f"{name}_resumed", enable_checkpointing=False)
+                trainer = make_trainer(name, world_size, out_dir, f"{name}_resumed", clip=clip,
+                                       enable_checkpointing=False)
                 trainer.fit(TinyLM(), datamodule=TinyData(), ckpt_path=str(epoch0_checkpoint(out_dir, name)))
     finally:
         if dist.is_initialized():

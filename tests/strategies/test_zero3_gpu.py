@@ -15,8 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model.d_model", "64", "--model.num_layers", "2", "--model.num_heads", "2", "--model.d_ff", "96",
         "--model.context_length", "32", "--model.sample_prompt", "", "--model.warmup_steps", "2",
         "--data.generated_stories", "300", "--data.vocab_size", "301", "--data.batch_size", "8",
-        "--data.val_batches", "1", "--trainer.val_check_interval", "5", "--trainer.enable_progress_bar", "false",
-        "--trainer.logger", "false"]
+        "--data.val_batches", "1", "--trainer.val_check_interval", "5", "--trainer.enable_progress_bar", "false"]
 RUNS = {
     "bf16_autocast": ["--strategy", "zero3", "--precision", "bf16-mixed"],
     "bf16_compute": ["-c", str(REPO / "configs" / "strategies" / "zero3.yaml")],
