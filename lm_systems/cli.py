@@ -21,7 +21,7 @@ from lm_systems.lit_module import LitLM
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 SHORT_FLAGS: dict[str, tuple[type, str]] = {
-    "strategy": (Optional[str], "ddp, naive_ddp, overlap_ddp, bucketed_ddp, zero1 (each also *_spawn), auto, …"),
+    "strategy": (Optional[str], "ddp, naive_ddp, overlap_ddp, bucketed_ddp, zero1, zero3 (each also *_spawn), auto, …"),
     "precision": (Optional[str], "32-true, bf16-mixed, 16-mixed, bf16-true, …"),
     "accelerator": (Optional[str], "cpu, gpu, auto"),
     "devices": (Optional[Union[int, str]], "processes per node: a count, 'auto', or a list such as '0,1'"),
@@ -74,7 +74,8 @@ class LMCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)  # with the callbacks from YAML and --trainer.callbacks
         trainer.callbacks.append(IntervalCheckpoint(self._get(self.config, "checkpointing_interval", default=0)))
-        for default in (LearningRateMonitor(logging_interval="step"), MFUMonitor()):  # unless configured already
+        defaults = [MFUMonitor()] + ([LearningRateMonitor(logging_interval="step")] if trainer.loggers else [])
+        for default in defaults:  # unless configured already
             if not any(isinstance(callback, type(default)) for callback in trainer.callbacks):
                 trainer.callbacks.append(default)
         bar = trainer.progress_bar_callback

@@ -155,10 +155,10 @@ class LitLM(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self._last_loss = loss.detach()
-        # Only on logging steps: a logged progress-bar value is read back to the host, which would make every
-        # step wait for the GPU.
+        # Only on logging steps, and not as a progress-bar value: Lightning reads those back to the host after
+        # every batch, which makes each step wait for the GPU. The bar shows the logged value instead.
         if self._logs_this_step():
-            self.log("train/loss", loss, prog_bar=True)
+            self.log("train/loss", loss)
             self.log("train/perplexity", loss.detach().exp())
         return loss
 
@@ -247,12 +247,19 @@ class LitLM(L.LightningModule):
         if tokenizer is not None:
             checkpoint["tokenizer"] = tokenizer.to_str()
 
-    def on_fit_end(self) -> None:
+    def on_train_end(self) -> None:
         self._nonfinite.check(self._nonfinite_advice())
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
-        if self.hparams.sample_prompt and tokenizer is not None and self.trainer.is_global_zero:
+        if not self.hparams.sample_prompt or tokenizer is None:
+            return
+        # Here, not in on_fit_end: the model is still on the training device (Lightning moves it to the CPU
+        # before on_fit_end, where the Triton kernels cannot run). Every rank samples the same tokens, so a
+        # sharding container's gathers find all ranks; compiled blocks run eagerly, as each new length
+        # would recompile them.
+        with torch.compiler.set_stance("force_eager"):
             text = sample_text(
                 self.model, tokenizer, self.hparams.sample_prompt, max_new_tokens=self.hparams.sample_tokens,
                 generator=torch.Generator().manual_seed(0),
             )
+        if self.trainer.is_global_zero:
             print(f"\nSample after {self.trainer.global_step} steps:\n{text}\n", flush=True)

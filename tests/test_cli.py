@@ -132,7 +132,7 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1"])
+@pytest.mark.parametrize("strategy", ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "zero3"])
 def test_train_py_runs_on_two_cpu_processes(strategy, tmp_path, cache_dir):
     """Lightning's popen launcher re-runs the script once per extra process, so this goes through a subprocess."""
     command = [sys.executable, str(REPO / "train.py"), "--strategy", strategy, "--accelerator", "cpu", "--devices",

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
 SHORT = ["--max_steps", str(STEPS), "--trainer.val_check_interval", "20", "--trainer.log_every_n_steps", "5",
          "--trainer.enable_progress_bar", "false", "--model.sample_tokens", "8"]
-OUR_STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1"]
+OUR_STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "zero3"]
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 
 pytestmark = pytest.mark.gpu
