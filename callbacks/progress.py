@@ -1,15 +1,31 @@
-"""The training progress bar: Lightning's rich bar, without an epoch total that training by steps lacks."""
+"""The training progress bars: Lightning's rich and tqdm bars, counting to ``max_steps`` also after a resume."""
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import RichProgressBar
+from typing import Union
+
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
 
-class StepsProgressBar(RichProgressBar):
+class _StepsTotal(ProgressBar):
+    """Training for ``max_steps`` over an endless stream: the bar counts batches from the run's start (a resumed
+    run's too), so its total is the whole run's, where Lightning's counts only the steps left and a resumed
+    bar read "101/?"."""
+
+    @property
+    @override
+    def total_train_batches(self) -> Union[int, float]:
+        trainer = self.trainer
+        if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+            return min(trainer.num_training_batches, trainer.max_steps * trainer.accumulate_grad_batches)
+        return super().total_train_batches
+
+
+class StepsProgressBar(_StepsTotal, RichProgressBar):
     """Training for ``max_steps`` over an endless stream leaves Lightning's ``max_epochs`` at -1, and its
     rich bar then titled itself "Epoch 0/-2". This one reads "Epoch 0" there (the bar counts the steps);
-    with a real epoch budget it is Lightning's. ``train.py`` puts it in place of Lightning's rich bar."""
+    with a real epoch budget it is Lightning's. ``train.py`` uses it where rich is installed."""
 
     @override
     def _get_train_description(self, current_epoch: int) -> str:
@@ -17,3 +33,7 @@ class StepsProgressBar(RichProgressBar):
         if max_epochs is not None and max_epochs >= 1:
             return super()._get_train_description(current_epoch)
         return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+
+
+class StepsTQDMProgressBar(_StepsTotal, TQDMProgressBar):
+    """Lightning's tqdm bar with the whole run's total; ``train.py`` uses it where rich is not installed."""

@@ -70,4 +70,4 @@ def test_train_py_keeps_the_configured_callbacks(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(L.Trainer, "fit", lambda *args, **kwargs: None)  # build everything, train nothing
     cli = main(["fit", *CONFIG_ARGS])
-    assert PROFILING_CALLBACKS | {"IntervalCheckpoint"} <= {type(c).__name__ for c in cli.trainer.callbacks}
+    assert PROFILING_CALLBACKS | {"StepCheckpoint", "CrashCheckpoint"} <= {type(c).__name__ for c in cli.trainer.callbacks}
