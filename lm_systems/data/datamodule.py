@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import lightning.pytorch as L
 import torch
-from datasets import DatasetDict
 from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
@@ -18,6 +17,9 @@ from lm_systems.data.corpus import CorpusSource, iter_texts, load_corpus, resolv
 from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_token_cache, token_cache_entry
 from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
+
+if TYPE_CHECKING:
+    from datasets import DatasetDict
 
 TOKENIZER_TRAINING_CHARS = 200_000_000
 """BPE trains on at most this much of the training text (~10% of TinyStories): plenty for a 10k vocabulary."""
@@ -155,6 +157,7 @@ class LMDataModule(L.LightningDataModule):
             rank,
             world_size,
             start_batch=self._train_start_batch,
+            vocab_size=self.vocab_size,
         )
         return self._loader(stream)
 
@@ -165,7 +168,7 @@ class LMDataModule(L.LightningDataModule):
             tokens.meta["tokens"]["validation"], self.context_length, self.val_batches * self.batch_size, world_size
         )
         windows = ValidationWindows(
-            tokens.path("validation"), starts, self.context_length, self.batch_size, rank, world_size
+            tokens.path("validation"), starts, self.context_length, self.batch_size, rank, world_size, self.vocab_size
         )
         return self._loader(windows)
 
