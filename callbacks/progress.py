@@ -4,14 +4,21 @@ from __future__ import annotations
 
 from typing import Union
 
+import lightning.pytorch as L
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
 
 class _StepsTotal(ProgressBar):
     """Training for ``max_steps`` over an endless stream: the bar counts batches from the run's start (a resumed
-    run's too), so its total is the whole run's, where Lightning's counts only the steps left and a resumed
-    bar read "101/?"."""
+    run's too), so its total is the whole run's, where Lightning's counts only the steps left. A run resumed
+    mid-epoch gets no ``on_train_epoch_start``, which sets the total: Lightning's bar then read "Training: 101/?"."""
+
+    @override
+    def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready > 0:  # resumed mid-epoch
+            self.on_train_epoch_start(trainer, pl_module)
 
     @property
     @override

@@ -151,6 +151,7 @@ class LMCLI(LightningCLI):
             raise ValueError("--resume_into_run continues a TensorBoard run folder: leave --trainer.logger at its default")
         save_dir, name, version = run
         logger.init_args.save_dir, logger.init_args.name, logger.init_args.version = save_dir, name, version
+        warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")  # it is asked for
 
 
 def _has(items: list[Any], kind: type) -> bool:
