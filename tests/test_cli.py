@@ -73,10 +73,11 @@ def test_bad_input_names_the_flag(args, message):
     assert message in str(error.value) or error.type is SystemExit
 
 
-def test_empty_corpus_names_the_flag(tmp_path):
+def test_empty_corpus_names_the_flag(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match="--data.corpus"):
+    with pytest.raises(SystemExit):  # a usage error, as for a value of the wrong type
         main([*FAST, "--max_steps", "1", "--data.corpus", str(tmp_path / "empty.txt")])
+    assert "--data.corpus" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_progress_bar_has_no_negative_epoch_total():
