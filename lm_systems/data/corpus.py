@@ -109,6 +109,20 @@ def load_corpus(source: CorpusSource, cache_dir: str | Path, text_column: str) -
     return DatasetDict({name: _text_only(split, column, source) for name, split in splits.items()})
 
 
+class LazyCorpus:
+    """A source's corpus, read by ``load_corpus`` on the first ``get()`` only: a run whose cache is complete
+    never reads it (nor imports `datasets`)."""
+
+    def __init__(self, source: CorpusSource, cache_dir: str | Path, text_column: str) -> None:
+        self.source, self.cache_dir, self.text_column = source, cache_dir, text_column
+        self._loaded: DatasetDict | None = None
+
+    def get(self) -> DatasetDict:
+        if self._loaded is None:
+            self._loaded = load_corpus(self.source, self.cache_dir, self.text_column)
+        return self._loaded
+
+
 def iter_texts(dataset: Dataset, max_chars: int, batch_size: int = 1000) -> Iterator[str]:
     """The ``text`` column in order, stopping once ``max_chars`` characters have been yielded."""
     seen = 0
