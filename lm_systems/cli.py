@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
-from lm_systems.checkpoint_io import SafeCheckpointIO
+from lm_systems.checkpoint_io import NonFiniteWeightsError, SafeCheckpointIO
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.config import ModelConfig
 from lm_systems.data.datamodule import LMDataModule
@@ -128,8 +128,10 @@ class LMCLI(LightningCLI):
         if not _has(configured, ModelCheckpoint):
             added.append(StepCheckpoint(interval))
         elif interval > 0:
-            self.parser.error("--checkpointing_interval is set and trainer.callbacks has its own "
-                        "ModelCheckpoint: set every_n_train_steps there, or drop one of the two")
+            self.parser.error(
+                "--checkpointing_interval is set and trainer.callbacks has its own ModelCheckpoint: "
+                "set every_n_train_steps there, or drop one of the two"
+            )
         added.append(CrashCheckpoint())
         return added
 
@@ -187,7 +189,8 @@ def _quiet_lightning() -> None:
 
 def main(args: Optional[list[str]] = None) -> LMCLI:
     """Entry point of ``train.py``; with no subcommand given, ``fit`` is run. SIGTERM exits with 143 after
-    ``crash.ckpt`` is saved, so a scheduler reads the run as interrupted, not finished."""
+    ``crash.ckpt`` is saved, so a scheduler reads the run as interrupted, not finished; a run stopped by
+    non-finite weights exits with 1 and the message, without a traceback."""
     given = sys.argv[1:] if args is None else args
     if not given or given[0] not in SUBCOMMANDS:
         if args is None:
@@ -207,3 +210,6 @@ def main(args: Optional[list[str]] = None) -> LMCLI:
         )
     except SIGTERMException as stop:
         raise SystemExit(128 + signal.SIGTERM) from stop
+    except NonFiniteWeightsError as diverged:  # its message says what to change; the traceback would bury it
+        print(f"error: {diverged}", file=sys.stderr)
+        raise SystemExit(1) from diverged

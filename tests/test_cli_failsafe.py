@@ -124,6 +124,20 @@ def test_a_default_run_prints_no_avoidable_warning_or_tip(tmp_path):
     assert last.is_symlink() and os.readlink(last) == "step=2.ckpt"
 
 
+def test_a_diverging_run_stops_non_zero_and_keeps_no_non_finite_checkpoint(tmp_path):
+    """The issue's run: lr 1e6 turns the weights NaN within a few steps; the steps before are saved."""
+    run = train_py(*FAST, "--model.lr", "1e6", "--max_steps", "40", "--checkpointing_interval", "1",
+                   "--trainer.enable_progress_bar", "false")
+    _, err = run.communicate(timeout=300)
+    assert run.returncode != 0
+    assert "--model.lr" in err and "--trainer.gradient_clip_val" in err, err[-3000:]
+    saved = list(tmp_path.rglob("*.ckpt"))
+    assert any(path.name == "last.ckpt" for path in saved) and len(saved) >= 2
+    for path in saved:
+        state = torch.load(path, weights_only=False)["state_dict"]
+        assert all(t.isfinite().all() for t in state.values() if t.is_floating_point()), path
+
+
 # -- run folders ------------------------------------------------------------------------------
 
 
