@@ -1,4 +1,4 @@
-"""The training progress bar: Lightning's rich bar, without an epoch total that training by steps lacks, and
+"""The training progress bars: Lightning's rich and tqdm bars, counting to ``max_steps`` also after a resume, and
 showing the last logged training loss without waiting for the GPU."""
 
 from __future__ import annotations
@@ -6,23 +6,31 @@ from __future__ import annotations
 from typing import Any, Union
 
 import lightning.pytorch as L
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
 SHOWN_LOGGED_METRICS = ("train/loss",)
 
 
-class StepsProgressBar(RichProgressBar):
-    """Training for ``max_steps`` over an endless stream leaves Lightning's ``max_epochs`` at -1, and its
-    rich bar then titled itself "Epoch 0/-2". This one reads "Epoch 0" there (the bar counts the steps);
-    with a real epoch budget it is Lightning's. ``train.py`` puts it in place of Lightning's rich bar."""
+class _StepsBar(ProgressBar):
+    """Training for ``max_steps`` over an endless stream: the bar counts batches from the run's start (a resumed
+    run's too), so its total is the whole run's, where Lightning's counts only the steps left. A run resumed
+    mid-epoch gets no ``on_train_epoch_start``, which sets the total: Lightning's bar then read "Training: 101/?".
+    It also shows the last logged training loss (see ``get_metrics``)."""
 
     @override
-    def _get_train_description(self, current_epoch: int) -> str:
-        max_epochs = self.trainer.max_epochs
-        if max_epochs is not None and max_epochs >= 1:
-            return super()._get_train_description(current_epoch)
-        return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+    def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready > 0:  # resumed mid-epoch
+            self.on_train_epoch_start(trainer, pl_module)
+
+    @property
+    @override
+    def total_train_batches(self) -> Union[int, float]:
+        trainer = self.trainer
+        if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+            return min(trainer.num_training_batches, trainer.max_steps * trainer.accumulate_grad_batches)
+        return super().total_train_batches
 
     @override
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Union[int, str, float, dict[str, float]]]:
@@ -34,3 +42,20 @@ class StepsProgressBar(RichProgressBar):
             if value is not None:
                 metrics[name] = float(value)
         return metrics
+
+
+class StepsProgressBar(_StepsBar, RichProgressBar):
+    """Training for ``max_steps`` over an endless stream leaves Lightning's ``max_epochs`` at -1, and its
+    rich bar then titled itself "Epoch 0/-2". This one reads "Epoch 0" there (the bar counts the steps);
+    with a real epoch budget it is Lightning's. ``train.py`` uses it where rich is installed."""
+
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs >= 1:
+            return super()._get_train_description(current_epoch)
+        return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+
+
+class StepsTQDMProgressBar(_StepsBar, TQDMProgressBar):
+    """Lightning's tqdm bar with the whole run's total; ``train.py`` uses it where rich is not installed."""

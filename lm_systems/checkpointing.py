@@ -1,62 +1,118 @@
-"""IntervalCheckpoint: save every N optimizer steps, always at the end, and on a crash where it is safe."""
+"""The run's checkpoints: Lightning's ModelCheckpoint, made safe for long runs, and a crash checkpoint.
+
+``StepCheckpoint`` writes ``step=N.ckpt`` every N optimizer steps and at the end of fit, and points
+``last.ckpt`` at the newest one; ``CrashCheckpoint`` writes ``crash.ckpt`` when a single-process run
+stops on an exception (Ctrl-C, SIGTERM, an error). Neither ever writes non-finite weights (see
+:mod:`lm_systems.checkpoint_io`, whose ``SafeCheckpointIO`` writes every file atomically).
+"""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
+import os
 from typing import Any, Optional
 
 import lightning.pytorch as L
-from lightning.pytorch.callbacks import Callback
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lm_systems.checkpoint_io import NonFiniteWeightsError, link_atomically, weights_are_finite
 
 
-class IntervalCheckpoint(Callback):
-    """Writes ``step=N.ckpt`` every ``interval`` steps (> 0) and at the end, plus ``last.ckpt`` each time.
+class StepCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint keeping ``step=N.ckpt`` every ``every_n_train_steps`` (<= 0: none) and at the end of fit.
 
-    ``interval <= 0`` saves only at the end. The final step is always saved. On an exception in a
-    single-process run, the state is saved as ``crash.ckpt`` (resume it with ``--ckpt_path``); in a
-    distributed run that save would wait on ranks that may be gone, so it is skipped.
+    ``last.ckpt`` is a link to the newest file, replaced atomically (never a second copy). Before each
+    save, every rank checks its weights and all agree: non-finite weights stop the run with
+    :class:`NonFiniteWeightsError` on every rank, and nothing is written.
     """
 
-    def __init__(self, interval: int = 0, dirpath: Optional[str] = None) -> None:
-        self.interval = interval
-        self.dirpath = dirpath
-        self._last_saved_step = -1
+    def __init__(self, every_n_train_steps: int = 0, dirpath: Optional[_PATH] = None) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename="step={step}",
+            auto_insert_metric_name=False,
+            save_top_k=-1,
+            save_last="link",
+            every_n_train_steps=max(every_n_train_steps, 0),
+            enable_version_counter=False,  # names follow the step: a resumed run rewrites the same step's file
+        )
 
-    def _dir(self, trainer: "L.Trainer") -> Path:
-        if self.dirpath is not None:
-            return Path(self.dirpath)
-        log_dir = trainer.logger.log_dir if trainer.logger is not None else trainer.default_root_dir
-        return Path(log_dir) / "checkpoints"
+    @property
+    @override
+    def state_key(self) -> str:
+        return type(self).__qualname__  # one per trainer: its state carries over a resume that changes the interval
 
-    def _save(self, trainer: "L.Trainer", name: str) -> None:
-        path = self._dir(trainer) / name
-        trainer.save_checkpoint(path)  # a collective: every rank calls it, rank 0 writes
-        if trainer.is_global_zero:
-            shutil.copyfile(path, path.with_name("last.ckpt"))
-        self._last_saved_step = trainer.global_step
-        rank_zero_info(f"checkpoint saved: {path}")
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A resumed run writes into a new version folder: the old folder's file bookkeeping does not apply there.
+        if state_dict.get("dirpath") == self.dirpath:
+            super().load_state_dict(state_dict)
 
-    def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", *args: Any) -> None:
-        step = trainer.global_step
-        if self.interval > 0 and step > 0 and step % self.interval == 0 and step != self._last_saved_step:
-            self._save(trainer, f"step={step}.ckpt")
-
+    @override
     def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
-        if trainer.global_step != self._last_saved_step:
-            self._save(trainer, f"step={trainer.global_step}.ckpt")
+        if not self._should_skip_saving_checkpoint(trainer):  # the final step, unless it was just saved
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
 
+    @override
+    def _save_checkpoint(self, trainer: "L.Trainer", filepath: str) -> None:
+        finite = weights_are_finite(trainer.lightning_module.parameters())
+        # Agreed across ranks so that all of them stop here together, none waiting in the save's collectives.
+        if not trainer.strategy.reduce_boolean_decision(finite, all=True):
+            raise NonFiniteWeightsError(trainer.global_step, filepath)
+        super()._save_checkpoint(trainer, filepath)
+        rank_zero_info(f"checkpoint saved: {filepath}")
+
+    @staticmethod
+    @override
+    def _link_checkpoint(trainer: "L.Trainer", filepath: str, linkpath: str) -> None:
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            link_atomically(filepath, linkpath)
+        trainer.strategy.barrier()
+
+
+class CrashCheckpoint(Checkpoint):
+    """Writes ``crash.ckpt`` beside the run's other checkpoints when a single-process fit stops on an exception.
+
+    Lightning's OnExceptionCheckpoint needs its folder before the run has one, and its presence makes
+    every ``fit`` without ``ckpt_path`` look for a checkpoint to resume (with two warnings). Skipped
+    before the first step, after a refused non-finite save (already reported), and in distributed runs,
+    where the save's collectives would wait on ranks that may be gone. A failure to save is a warning:
+    the exception that stopped the run is the one to surface. A fit that finishes removes an older
+    ``crash.ckpt`` from its folder (the one it resumed from).
+    """
+
+    FILENAME = "crash.ckpt"
+
+    @override
     def on_exception(self, trainer: "L.Trainer", pl_module: "L.LightningModule", exception: BaseException) -> None:
-        if trainer.world_size > 1 or trainer.global_step == 0:
+        if trainer.world_size > 1 or trainer.global_step == 0 or isinstance(exception, NonFiniteWeightsError):
+            return
+        path = self._path(trainer)
+        if path is None:
             return
         try:
-            self._save(trainer, "crash.ckpt")
-        except Exception as error:  # the original exception is the one to surface
-            rank_zero_warn(f"could not save crash.ckpt after {type(exception).__name__}: {error}")
+            trainer.save_checkpoint(path, weights_only=False)
+        except Exception as error:
+            rank_zero_warn(f"could not save {path} after {type(exception).__name__}: {error}")
+        else:
+            rank_zero_info(f"stopped at step {trainer.global_step}: resume with --ckpt_path {path}")
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_saved_step": self._last_saved_step}
+    @override
+    def teardown(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
+        path = self._path(trainer)
+        if stage == "fit" and path is not None:  # teardown hooks run only after a fit that finished
+            trainer.strategy.remove_checkpoint(path)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_saved_step = state_dict.get("last_saved_step", -1)
+    @staticmethod
+    def _path(trainer: "L.Trainer") -> Optional[str]:
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        return os.path.join(dirpath, CrashCheckpoint.FILENAME) if dirpath else None
+
+
+def checkpoint_callbacks(every_n_train_steps: int = 0, dirpath: Optional[_PATH] = None) -> list[L.Callback]:
+    """The checkpointing ``train.py`` adds: step files every N steps and at the end, ``last.ckpt``, ``crash.ckpt``."""
+    return [StepCheckpoint(every_n_train_steps, dirpath), CrashCheckpoint()]

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import logging
+import signal
 import sys
-from typing import Optional, Union
+import typing
+import warnings
+from typing import Any, Optional, Union
 
-from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
+from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
-from callbacks.progress import StepsProgressBar
+from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from callbacks.throughput import MFUMonitor
-
-from lm_systems.checkpointing import IntervalCheckpoint
+from lm_systems.checkpoint_io import NonFiniteWeightsError, SafeCheckpointIO
+from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.config import ModelConfig
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.generate import require_checkpoint_file
 from lm_systems.lit_module import LitLM
+from lm_systems.nonfinite import NonFiniteTrainingError
+from lm_systems.run_logger import run_version_of
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -38,8 +47,10 @@ TRAINER_DEFAULTS = {
     "log_every_n_steps": 10,
     "gradient_clip_val": 1.0,
     "devices": 1,
-    "enable_checkpointing": False,  # IntervalCheckpoint does it, per --checkpointing_interval
-    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "logs", "name": "lm_systems", "default_hp_metric": False}},
+    "logger": {
+        "class_path": "lm_systems.run_logger.RunLogger",
+        "init_args": {"save_dir": "logs", "name": "lm_systems", "default_hp_metric": False},
+    },
 }
 
 
@@ -47,8 +58,15 @@ def _data_context_length(size: str, context_length: Optional[int]) -> int:
     return ModelConfig.from_name(size, context_length=context_length).context_length
 
 
+class LMArgumentParser(LightningArgumentParser):
+    """LightningArgumentParser whose errors end in one line, after a one-line usage (``--help`` has the rest)."""
+
+    def print_usage(self, file: Any = None) -> None:
+        (file or sys.stderr).write(f"usage: {self.prog} [-c CONFIG] [--key VALUE ...]\n")
+
+
 class LMCLI(LightningCLI):
-    """LightningCLI with short trainer flags, a checkpointing interval and checked checkpoint paths."""
+    """LightningCLI with short trainer flags, step checkpoints, run folders and checks at the door."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         group = parser.add_argument_group("Short forms of common --trainer.* flags")
@@ -56,36 +74,127 @@ class LMCLI(LightningCLI):
             group.add_argument(f"--{name}", type=kind, default=None, help=f"{help_text} (--trainer.{name})")
         parser.add_argument(
             "--checkpointing_interval", type=int, default=0,
-            help="> 0: save a checkpoint every N optimizer steps; <= 0: only at the end. The final step is always saved.",
+            help="> 0: a step=N.ckpt every N optimizer steps; <= 0: only at the end (the final step is always "
+            "saved; last.ckpt links the newest). A ModelCheckpoint of your own in trainer.callbacks replaces this.",
+        )
+        parser.add_argument(
+            "--resume_into_run", type=bool, default=False,
+            help="with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version",
         )
         parser.set_defaults({"data.val_batches": 16})  # keeps the embedded default run near two minutes
         # The data windows are as long as the model's context.
         parser.link_arguments(("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length)
 
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        config = self._subcommand_config()
+        # Checked here, before LightningCLI reads the checkpoint's hyperparameters and Lightning builds anything.
         for name in SHORT_FLAGS:
             if config.get(name) is not None:
                 config.trainer[name] = config[name]
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path not in (None, "last", "best", "hpc", "registry"):
-            require_checkpoint_file(ckpt_path, "--ckpt_path")
+        try:
+            check_trainer_choices(config.trainer)
+            ckpt_path = config.get("ckpt_path")
+            if ckpt_path not in (None, "last", "best", "hpc", "registry"):  # Lightning's own names
+                require_checkpoint_file(ckpt_path, "--ckpt_path")
+            if config.get("resume_into_run"):
+                self._log_into_the_checkpoints_run(config)
+        except (ValueError, OSError) as error:
+            parser.error(str(error))
 
-    def instantiate_trainer(self, **kwargs):
-        trainer = super().instantiate_trainer(**kwargs)  # with the callbacks from YAML and --trainer.callbacks
-        trainer.callbacks.append(IntervalCheckpoint(self._get(self.config, "checkpointing_interval", default=0)))
-        defaults = [MFUMonitor()] + ([LearningRateMonitor(logging_interval="step")] if trainer.loggers else [])
-        for default in defaults:  # unless configured already
-            if not any(isinstance(callback, type(default)) for callback in trainer.callbacks):
-                trainer.callbacks.append(default)
-        bar = trainer.progress_bar_callback
-        if type(bar) is RichProgressBar:  # Lightning's default when rich is installed
-            trainer.callbacks[trainer.callbacks.index(bar)] = StepsProgressBar()
-        return trainer
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, OSError, MisconfigurationException) as error:  # bad values in the configuration
+            self.parser.error(str(error))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """Lightning's trainer with this project's checkpointing, progress bar and checkpoint writer, wherever the
+        configuration does not bring its own."""
+        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if trainer_config.get("enable_checkpointing") is not False:
+            callbacks += self._checkpoint_callbacks(callbacks)
+        if trainer_config.get("enable_progress_bar") is not False and not _has(callbacks, ProgressBar):
+            callbacks.append(StepsProgressBar() if _RICH_AVAILABLE else StepsTQDMProgressBar())
+        plugins = trainer_config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list) else [plugins]
+        if not _has(plugins, CheckpointIO):
+            plugins.append(SafeCheckpointIO())
+        defaults = [MFUMonitor()] + ([LearningRateMonitor(logging_interval="step")] if trainer_config.get("logger") is not False else [])
+        callbacks += [default for default in defaults if not _has(callbacks, type(default))]
+        return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
+
+    def _checkpoint_callbacks(self, configured: list[Any]) -> list[Checkpoint]:
+        interval = self._get(self.config, "checkpointing_interval", default=0)
+        added: list[Checkpoint] = []
+        if not _has(configured, ModelCheckpoint):
+            added.append(StepCheckpoint(interval))
+        elif interval > 0:
+            self.parser.error(
+                "--checkpointing_interval is set and trainer.callbacks has its own ModelCheckpoint: "
+                "set every_n_train_steps there, or drop one of the two"
+            )
+        added.append(CrashCheckpoint())
+        return added
+
+    def _subcommand_config(self) -> Any:
+        subcommand = self.config.get("subcommand")
+        return self.config[subcommand] if subcommand else self.config
+
+    @staticmethod
+    def _log_into_the_checkpoints_run(config: Any) -> None:
+        ckpt_path = config.get("ckpt_path")
+        run = run_version_of(ckpt_path) if ckpt_path else None
+        if run is None:
+            raise ValueError(
+                f"--resume_into_run needs a --ckpt_path inside <save_dir>/<name>/version_N/checkpoints/, got {ckpt_path!r}"
+            )
+        logger = config.trainer.get("logger")
+        class_path = getattr(logger, "class_path", "") or ""
+        if not class_path.endswith(("RunLogger", "TensorBoardLogger")):
+            raise ValueError("--resume_into_run continues a TensorBoard run folder: leave --trainer.logger at its default")
+        save_dir, name, version = run
+        logger.init_args.save_dir, logger.init_args.name, logger.init_args.version = save_dir, name, version
+        warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")  # it is asked for
+
+
+def _has(items: list[Any], kind: type) -> bool:
+    return any(isinstance(item, kind) for item in items)
+
+
+def check_trainer_choices(trainer: Any) -> None:
+    """Strategy, precision and accelerator names, checked like a typed flag: an unknown one lists the valid ones."""
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    ours = [name for name, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith("strategies.")]
+    lightnings = [name for name in StrategyRegistry.available_strategies() if name not in ours]
+    choices = {
+        "strategy": ["auto", *ours, *lightnings],
+        "precision": [str(value) for literal in typing.get_args(_PRECISION_INPUT) for value in typing.get_args(literal)],
+        "accelerator": ["auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators())],
+    }
+    for name, valid in choices.items():
+        value = trainer.get(name)
+        if isinstance(value, (str, int)) and str(value) not in valid:  # an object from a YAML config is Lightning's to check
+            raise ValueError(f"--{name} (--trainer.{name}) {value!r} is not one of: {', '.join(valid)}")
+
+
+def _quiet_lightning() -> None:
+    """Drop Lightning's advertising tip and a deprecation warning that Lightning raises against newer torch."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("💡 Tip")
+    )
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
-    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run.
+    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run. SIGTERM exits with 143 after
+    ``crash.ckpt`` is saved, so a scheduler reads the run as interrupted, not finished; a run stopped by
+    a non-finite loss or weights exits with 1 and the message, without a traceback.
 
     ``run=False`` parses ``args`` (no subcommand) and builds the model, data and trainer without running.
     """
@@ -95,12 +204,20 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
             sys.argv.insert(1, "fit")  # LightningCLI reads sys.argv itself when given no args
         else:
             args = ["fit", *args]
-    return LMCLI(
-        LitLM,
-        LMDataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=1234,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        run=run,
-    )
+    _quiet_lightning()
+    try:
+        return LMCLI(
+            LitLM,
+            LMDataModule,
+            parser_class=LMArgumentParser,
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=1234,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+        )
+    except SIGTERMException as stop:
+        raise SystemExit(128 + signal.SIGTERM) from stop
+    except (NonFiniteTrainingError, NonFiniteWeightsError) as diverged:  # its message says what to change; the traceback would bury it
+        print(f"error: {diverged}", file=sys.stderr)
+        raise SystemExit(1) from diverged

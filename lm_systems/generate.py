@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import warnings
 import zipfile
 from dataclasses import fields
 from pathlib import Path
@@ -30,7 +32,11 @@ def sample(
     eot_id: int | None = None,
     generator: torch.Generator | None = None,
 ) -> list[int]:
-    """Continue ``prompt_ids`` by nucleus sampling; stops after ``max_new_tokens`` or at ``eot_id``."""
+    """Continue ``prompt_ids`` by nucleus sampling; stops after ``max_new_tokens`` or at ``eot_id``.
+
+    A model whose logits are not finite (diverged weights) cannot be sampled: sampling stops there with a
+    warning instead of failing inside ``torch.multinomial``, so a run's closing sample never crashes it.
+    """
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     if not prompt_ids:
@@ -42,6 +48,14 @@ def sample(
     model.eval()
     for _ in range(max_new_tokens):
         logits = model(ids[:, -model.config.context_length :])[0, -1].float()  # (V,)
+        if not bool(logits.isfinite().all()):
+            warnings.warn(
+                f"sampling stopped after {len(new)} tokens: the model's logits are not finite (NaN or inf weights; "
+                "training diverged: lower --model.lr or clip with --trainer.gradient_clip_val)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            break
         if temperature == 0:
             next_id = int(logits.argmax())
         else:
@@ -68,12 +82,25 @@ def sample_text(model: TransformerLM, tokenizer: Tokenizer, prompt: str, **kwarg
 
 
 def require_checkpoint_file(path: str | Path, flag: str) -> Path:
-    """``path`` as a Path if it holds a PyTorch checkpoint; otherwise an error naming ``flag``."""
+    """``path`` as a Path if it holds a whole PyTorch checkpoint; otherwise an error naming ``flag``.
+
+    Reads only the zip's central directory (at the file's end), so a truncated or foreign file is found
+    without loading the checkpoint.
+    """
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {str(path)!r} is a folder, not a checkpoint file (pass e.g. {str(path / 'last.ckpt')!r})")
+    if not path.exists():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
-    if not zipfile.is_zipfile(path):
-        raise ValueError(f"{flag} {str(path)!r} is not a readable PyTorch checkpoint")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"{flag} {str(path)!r} cannot be read (permission denied)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            complete = any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        complete = False
+    if not complete:
+        raise ValueError(f"{flag} {str(path)!r} is not a readable PyTorch checkpoint (truncated, or not written by torch.save)")
     return path
 
 

@@ -182,8 +182,10 @@ class LitLM(L.LightningModule):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         log_now = self._logs_this_step()
         needs_norm = bool(gradient_clip_val) or log_now or self._nonfinite.policy == "skip"
-        if scaler is not None and needs_norm and getattr(optimizer, "_step_supports_amp_scaling", False):
-            scaler.unscale_(optimizer)  # 16-mixed: the optimizer would unscale in step(); the norm needs it now
+        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # 16-mixed: the optimizer would unscale in step(); the norm needs it now, and a sharding scaler
+            # agrees on overflow across ranks only in unscale_.
+            scaler.unscale_(optimizer)
         grad_norm = self._clip_grad_norm(gradient_clip_val or float("inf")) if needs_norm else None
         # Under a GradScaler, overflowing gradients are the scaler's to skip; the loss is still ours to watch.
         bad = self._nonfinite.observe(self.trainer.global_step, self._last_loss,

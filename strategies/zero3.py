@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch import Trainer
@@ -70,7 +71,7 @@ class Zero3Strategy(ContainerDDPStrategy):
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.model.clip_grad_norm_(clip_val)
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             # A plain GradScaler finds infs only in this rank's shards: ranks would disagree on skipping.
-            plugin.scaler = ShardedGradScaler(process_group=self._grad_group or dist.group.WORLD)
+            plugin.scaler = _ScalarFlagShardedGradScaler(process_group=self._grad_group or dist.group.WORLD)
 
     # -- checkpoints: full weights and full optimizer state ----------------------------------
 
@@ -104,3 +105,15 @@ class Zero3Strategy(ContainerDDPStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             self._sharded.load_full_optimizer_state_dict(optimizer, state)
             _optimizer_to_device(optimizer, self.root_device)
+
+
+class _ScalarFlagShardedGradScaler(ShardedGradScaler):
+    """torch's ShardedGradScaler with 0-dim overflow flags: fused AdamW takes the flag as ``found_inf`` and
+    subtracts it from its 0-dim step counts, which fails on ShardedGradScaler's own shape-[1] flags."""
+
+    @override
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        for device, flag in flags.items():
+            flags[device] = flag.reshape(())

@@ -90,10 +90,11 @@ def test_bad_input_names_the_flag(args, message, capsys):
     assert message in said
 
 
-def test_empty_corpus_names_the_flag(tmp_path):
+def test_empty_corpus_names_the_flag(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match="--data.corpus"):
+    with pytest.raises(SystemExit):  # a usage error, as for a value of the wrong type
         main([*FAST, "--max_steps", "1", "--data.corpus", str(tmp_path / "empty.txt")])
+    assert "--data.corpus" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_train_py_uses_the_steps_progress_bar():
@@ -116,7 +117,7 @@ def test_profiling_config_builds_every_callback_and_the_profiler():
 def test_train_py_keeps_the_configured_callbacks(monkeypatch):
     monkeypatch.setattr(L.Trainer, "fit", lambda *args, **kwargs: None)  # build everything, train nothing
     cli = main(["fit", *PROFILING_ARGS])
-    assert PROFILING_CALLBACKS | {"IntervalCheckpoint"} <= {type(c).__name__ for c in cli.trainer.callbacks}
+    assert PROFILING_CALLBACKS | {"StepCheckpoint", "CrashCheckpoint"} <= {type(c).__name__ for c in cli.trainer.callbacks}
 
 
 TINY = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",

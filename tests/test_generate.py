@@ -43,3 +43,12 @@ def test_bad_arguments_and_unreadable_checkpoints(model, tmp_path):
     junk.write_text("not a checkpoint")
     with pytest.raises(ValueError, match="--ckpt"):
         load_checkpoint(junk)
+
+
+def test_a_model_with_non_finite_weights_stops_sampling_with_a_warning(model):
+    """The closing sample of a diverged run must not crash it (torch.multinomial rejects NaN probabilities)."""
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    for temperature in (0.8, 0):
+        with pytest.warns(RuntimeWarning, match="sampling stopped after 0 tokens: the model's logits are not finite"):
+            assert sample(model, [1, 2], max_new_tokens=5, temperature=temperature) == []

@@ -7,7 +7,8 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-from lm_systems.checkpointing import IntervalCheckpoint
+from lm_systems.checkpoint_io import SafeCheckpointIO
+from lm_systems.checkpointing import checkpoint_callbacks
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.generate import load_checkpoint, sample_text
 from lm_systems.lit_module import LitLM
@@ -27,10 +28,10 @@ def datamodule(cache_dir: Path, **overrides) -> LMDataModule:
 
 def trainer(tmp_path: Path, max_steps: int, interval: int = 0, **kwargs) -> L.Trainer:
     defaults = dict(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, val_check_interval=max_steps,
         check_val_every_n_epoch=None, gradient_clip_val=1.0,
-        callbacks=[IntervalCheckpoint(interval, dirpath=str(tmp_path / "ckpt"))],
+        callbacks=checkpoint_callbacks(interval, dirpath=str(tmp_path / "ckpt")), plugins=[SafeCheckpointIO()],
     )
     return L.Trainer(**{**defaults, **kwargs})
 

@@ -49,10 +49,12 @@ def logged(run_dir: Path, tag: str) -> list[float]:
     return [e.value for e in events.Scalars(tag)]
 
 
-def assert_trained(run_dir: Path) -> dict:
+def assert_trained(run_dir: Path, checkpointed: bool = True) -> dict | None:
     losses = logged(run_dir, "train/loss")
     assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], losses
+    if not checkpointed:
+        return None
     checkpoint = torch.load(version_dir(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     weights = [t for k, t in checkpoint["state_dict"].items() if k.startswith("model.")]
     assert weights and all(torch.isfinite(t).all() for t in weights)
@@ -99,10 +101,11 @@ def test_resume_from_last_checkpoint_continues_the_step_count(tmp_path, cache_di
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_shipped_config(config, tmp_path, cache_dir):
     """Each shipped config for a few steps at its own size and precision (TinyStories' data swapped for the
-    generated corpus: nothing is downloaded here); the loss must fall within those steps."""
+    generated corpus: nothing is downloaded here); the loss must fall within those steps. No checkpoints:
+    the 2.7b one alone would take 40 GB of the test machine's disk."""
     data = ["--data.corpus", "generated"] if config == "tinystories.yaml" else []
     train_py(tmp_path, cache_dir, "-c", str(REPO / "configs" / config), *SHORT, *data, "--max_steps", "12",
              "--model.warmup_steps", "2",
              "--trainer.val_check_interval", "12", "--trainer.log_every_n_steps", "2", "--data.val_batches", "1",
-             "--trainer.accumulate_grad_batches", "1", timeout=900)
-    assert_trained(tmp_path)
+             "--trainer.accumulate_grad_batches", "1", "--trainer.enable_checkpointing", "false", timeout=900)
+    assert_trained(tmp_path, checkpointed=False)

@@ -4,7 +4,7 @@ Both train the same TransformerLM on the same LMDataModule batches, with the sam
 gradient clipping and precision, in one process and interleaved (the order alternates each round), so
 the drift of a lent GPU's speed falls on both alike. ``train.py``'s path is ``lm_systems.cli.main``
 with the Trainer, LitLM, LMDataModule, default callbacks and logger it builds; only its checkpoint
-callbacks are left out (this times training steps, not saves) and validation is off. The plain loop is
+saves are turned off (this times training steps, not saves), as is validation. The plain loop is
 what one writes by hand: autocast, ``backward``, ``clip_grad_norm_``, ``step``, ``zero_grad``.
 
 Each run trains ``--warmup`` untimed steps, then ``--steps`` steps between two device synchronisations.
@@ -32,11 +32,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import Checkpoint
 
 from lm_systems.bench.device import free_memory, synchronize
 from lm_systems.bench.report import add_out_dir_arg, write_results
-from lm_systems.checkpointing import IntervalCheckpoint
 from lm_systems.cli import main as train_py
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
@@ -120,6 +118,7 @@ def train_py_args(setup: Setup, max_steps: int, workdir: Path) -> list[str]:
         "--data.batch_size", str(setup.batch_size),
         "--precision", setup.precision, "--max_steps", str(max_steps),
         "--trainer.gradient_clip_val", str(CLIP), "--trainer.limit_val_batches", "0",
+        "--trainer.enable_checkpointing", "false",
         "--trainer.logger.init_args.save_dir", str(workdir),
     ]
 
@@ -129,7 +128,6 @@ def run_train_py(setup: Setup, warmup: int, steps: int, workdir: Path, extra_fla
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         cli = train_py([*train_py_args(setup, warmup + steps, workdir), *extra_flags], run=False)
     trainer = cli.trainer
-    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, (Checkpoint, IntervalCheckpoint))]
     clock = _StepClock(warmup, steps)
     trainer.callbacks.append(clock)
     trainer.fit(cli.model, datamodule=cli.datamodule)

@@ -14,15 +14,17 @@ A source's own ``validation`` split is used as is; otherwise the token stream is
 
 from __future__ import annotations
 
+import codecs
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
-
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from typing import TYPE_CHECKING, Any, Iterator
 
 from lm_systems.data.cache_files import file_identity, fingerprint
 from lm_systems.data.generated_corpus import GENERATOR_VERSION, write_generated_corpus
+
+if TYPE_CHECKING:  # `datasets` is imported where a corpus is read: `train.py --help` does without it
+    from datasets import Dataset, DatasetDict
 
 GENERATED = "generated"
 FILE_LOADERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -85,7 +87,11 @@ def load_corpus(source: CorpusSource, cache_dir: str | Path, text_column: str) -
     Every split keeps a single column named ``text``. Arrow files that `datasets` writes go under
     ``cache_dir/hf``, next to the rest of the pipeline's cache.
     """
+    from datasets import DatasetDict, load_dataset, load_from_disk
+
     hf_cache = str(Path(cache_dir) / "hf")
+    if source.kind in ("text", "json"):
+        require_utf8(Path(source.location), source.spec)
     if source.kind == GENERATED:
         if not Path(source.location).is_file():
             write_generated_corpus(source.location, source.identity["num_stories"], source.identity["seed"])
@@ -103,6 +109,20 @@ def load_corpus(source: CorpusSource, cache_dir: str | Path, text_column: str) -
     return DatasetDict({name: _text_only(split, column, source) for name, split in splits.items()})
 
 
+class LazyCorpus:
+    """A source's corpus, read by ``load_corpus`` on the first ``get()`` only: a run whose cache is complete
+    never reads it (nor imports `datasets`)."""
+
+    def __init__(self, source: CorpusSource, cache_dir: str | Path, text_column: str) -> None:
+        self.source, self.cache_dir, self.text_column = source, cache_dir, text_column
+        self._loaded: DatasetDict | None = None
+
+    def get(self) -> DatasetDict:
+        if self._loaded is None:
+            self._loaded = load_corpus(self.source, self.cache_dir, self.text_column)
+        return self._loaded
+
+
 def iter_texts(dataset: Dataset, max_chars: int, batch_size: int = 1000) -> Iterator[str]:
     """The ``text`` column in order, stopping once ``max_chars`` characters have been yielded."""
     seen = 0
@@ -114,7 +134,29 @@ def iter_texts(dataset: Dataset, max_chars: int, batch_size: int = 1000) -> Iter
             yield text
 
 
+def require_utf8(path: Path, spec: str, chunk_bytes: int = 1 << 20) -> None:
+    """An error naming the file, --data.corpus and the encoding when ``path`` is not UTF-8 text (read in chunks)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as file:
+        while True:
+            chunk = file.read(chunk_bytes)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"--data.corpus {spec!r}: {str(path)!r} is not UTF-8 text (byte {offset + error.start} is "
+                    f"{chunk[error.start:error.start + 1]!r}); pass a text file in UTF-8 (convert with "
+                    "`iconv -f <its encoding> -t UTF-8`), or a .parquet file or saved dataset"
+                ) from error
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
 def _load_from_hub(name: str, hf_cache: str) -> DatasetDict:
+    from datasets import load_dataset
+
     try:
         return load_dataset(name, cache_dir=hf_cache)
     except (ConnectionError, OSError) as error:  # offline: ConnectionError; unknown name: DatasetNotFoundError
@@ -127,6 +169,8 @@ def _load_from_hub(name: str, hf_cache: str) -> DatasetDict:
 
 
 def _train_and_validation(splits: DatasetDict, source: CorpusSource) -> DatasetDict:
+    from datasets import DatasetDict
+
     if "train" in splits:
         train = splits["train"]
     elif len(splits) == 1:

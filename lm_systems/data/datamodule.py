@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as L
 import torch
-from datasets import DatasetDict
 from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from lm_systems.data.cache_files import cache_lock, fingerprint
-from lm_systems.data.corpus import CorpusSource, iter_texts, load_corpus, resolve_corpus
+from lm_systems.data.corpus import CorpusSource, LazyCorpus, iter_texts, resolve_corpus
 from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_token_cache, token_cache_entry
 from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
@@ -155,6 +154,7 @@ class LMDataModule(L.LightningDataModule):
             rank,
             world_size,
             start_batch=self._train_start_batch,
+            vocab_size=self.vocab_size,
         )
         return self._loader(stream)
 
@@ -165,7 +165,7 @@ class LMDataModule(L.LightningDataModule):
             tokens.meta["tokens"]["validation"], self.context_length, self.val_batches * self.batch_size, world_size
         )
         windows = ValidationWindows(
-            tokens.path("validation"), starts, self.context_length, self.batch_size, rank, world_size
+            tokens.path("validation"), starts, self.context_length, self.batch_size, rank, world_size, self.vocab_size
         )
         return self._loader(windows)
 
@@ -207,21 +207,14 @@ class LMDataModule(L.LightningDataModule):
         """
         if self._prepared is not None:
             return self._prepared
-        corpus: DatasetDict | None = None
-
-        def loaded_corpus() -> DatasetDict:  # read at most once, and only when something must be built
-            nonlocal corpus
-            if corpus is None:
-                corpus = load_corpus(self._source, self.cache_dir, self.text_column)
-            return corpus
-
+        corpus = LazyCorpus(self._source, self.cache_dir, self.text_column)  # read only if something must be built
         with cache_lock(self.cache_dir):
-            tokenizer = self._load_or_train_tokenizer(loaded_corpus)
+            tokenizer = self._load_or_train_tokenizer(corpus)
             entry = token_cache_entry(self.cache_dir, self._source, tokenizer, self.text_column, self.val_fraction)
             tokens = open_token_cache(entry)
             if tokens is None:
                 tokens = build_token_cache(
-                    entry, loaded_corpus(), self._source, tokenizer, self.val_fraction, self.num_proc
+                    entry, corpus.get(), self._source, tokenizer, self.val_fraction, self.num_proc
                 )
                 rank_zero_info(
                     f"tokenized {self.corpus!r}: {tokens.meta['tokens']} tokens, vocab {tokens.meta['vocab_size']}, "
@@ -230,13 +223,13 @@ class LMDataModule(L.LightningDataModule):
         self._prepared = PreparedData(tokenizer, tokens)
         return self._prepared
 
-    def _load_or_train_tokenizer(self, loaded_corpus: Callable[[], DatasetDict]) -> Tokenizer:
+    def _load_or_train_tokenizer(self, corpus: LazyCorpus) -> Tokenizer:
         if self.tokenizer_path is not None:
             return load_tokenizer(self.tokenizer_path)
         path = self.cache_dir / "tokenizers" / self._tokenizer_key() / "tokenizer.json"
         if path.is_file():
             return load_tokenizer(path)
-        train_split = loaded_corpus()["train"]
+        train_split = corpus.get()["train"]
         rank_zero_info(f"training a byte-level BPE (target {self.target_vocab_size} tokens) on {self.corpus!r}")
         texts = iter_texts(train_split, TOKENIZER_TRAINING_CHARS)
         tokenizer = train_bpe_tokenizer(texts, self.target_vocab_size)

@@ -3,7 +3,8 @@
 The entry's folder is named by a hash of (corpus identity, tokenizer fingerprint, text column,
 validation fraction), so a different corpus or tokenizer gets a new entry and an unchanged one is
 reused. ``meta.json`` is written last and atomically: an entry without it (a crash mid-way) is
-rebuilt, never trusted.
+rebuilt, never trusted. It records each file's size and a checksum of sampled blocks; an entry whose
+files disagree (truncated, overwritten) is reported by path and rebuilt.
 """
 
 from __future__ import annotations
@@ -13,21 +14,27 @@ import math
 import shutil
 import time
 import uuid
+import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import pyarrow.compute as pc
-from datasets import Dataset, DatasetDict, Features, Sequence, Value
 from tokenizers import Tokenizer
 
 from lm_systems.data.cache_files import atomic_write_path, fingerprint, write_json_atomic
 from lm_systems.data.corpus import CorpusSource
 from lm_systems.data.tokenizer import END_OF_TEXT, tokenizer_fingerprint
 
+if TYPE_CHECKING:  # `datasets` is imported where a cache is built: `train.py --help` does without it
+    from datasets import Dataset, DatasetDict
+
 META_FILE = "meta.json"
 SPLITS = ("train", "validation")
+CHECKSUM_BLOCKS = 64
+CHECKSUM_BLOCK_BYTES = 64 * 1024
+"""The checksum reads 64 blocks of 64 KiB spread over the file (the whole file up to 4 MiB): cheap at every start."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -63,12 +70,54 @@ def token_cache_entry(
     return Path(cache_dir) / "tokens" / key
 
 
+def sampled_checksum(path: Path) -> str:
+    """CRC-32 of ``CHECKSUM_BLOCKS`` blocks spread evenly over the file (the whole file when it is small)."""
+    size = path.stat().st_size
+    span = CHECKSUM_BLOCKS * CHECKSUM_BLOCK_BYTES
+    offsets = [0] if size <= span else [i * (size - CHECKSUM_BLOCK_BYTES) // (CHECKSUM_BLOCKS - 1) for i in range(CHECKSUM_BLOCKS)]
+    crc = 0
+    with open(path, "rb") as file:
+        for offset in offsets:
+            file.seek(offset)
+            crc = zlib.crc32(file.read(span if size <= span else CHECKSUM_BLOCK_BYTES), crc)
+    return f"{crc:08x}"
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "crc32_sampled": sampled_checksum(path)}
+
+
+def token_cache_damage(splits: TokenSplits) -> str | None:
+    """What is wrong with a completed entry's files, or None when they match what meta.json recorded."""
+    recorded = splits.meta.get("files")
+    if recorded is None:
+        return "its meta.json records no file sizes (written by an older version)"
+    for name in SPLITS:
+        path = splits.path(name)
+        if not path.is_file():
+            return f"{path} is missing"
+        expected, size = recorded[name], path.stat().st_size
+        if size != expected["bytes"]:
+            return f"{path} has {size} bytes, {expected['bytes']} were written"
+        if sampled_checksum(path) != expected["crc32_sampled"]:
+            return f"{path} has changed since it was written (checksum mismatch)"
+    return None
+
+
 def open_token_cache(directory: Path) -> TokenSplits | None:
-    """The entry in ``directory`` if it was completed (its meta.json exists), else None."""
+    """The entry in ``directory`` if it was completed (its meta.json exists) and its files are intact, else None.
+
+    A damaged entry is reported with a warning naming the file; returning None has it rebuilt.
+    """
     meta_path = directory / META_FILE
     if not meta_path.is_file():
         return None
-    return TokenSplits(directory, json.loads(meta_path.read_text()))
+    splits = TokenSplits(directory, json.loads(meta_path.read_text()))
+    damage = token_cache_damage(splits)
+    if damage is not None:
+        warnings.warn(f"token cache entry {str(directory)!r} is damaged: {damage}; rebuilding it", stacklevel=2)
+        return None
+    return splits
 
 
 def build_token_cache(
@@ -85,7 +134,10 @@ def build_token_cache(
     `datasets.map` runs the tokenizer in batches (``num_proc`` processes, None: one process whose Rust
     encoder already uses every core) and shows a progress bar.
     """
+    import pyarrow.compute as pc
+
     start = time.perf_counter()
+    (directory / META_FILE).unlink(missing_ok=True)  # a damaged entry stays untrusted until rebuilt whole
     eot_id = tokenizer.token_to_id(END_OF_TEXT)
     dtype = token_dtype(tokenizer.get_vocab_size())
     work = directory / f"work-{uuid.uuid4().hex[:8]}"  # datasets' map output; removed once the .npy files exist
@@ -121,6 +173,7 @@ def build_token_cache(
         "dtype": dtype.name,
         "tokens": sizes,
         "rows": {name: split.num_rows for name, split in encoded.items()},
+        "files": {name: _file_record(directory / f"{name}.npy") for name in SPLITS},
         "validation": held_out,
         "seconds": round(time.perf_counter() - start, 2),
     }
@@ -137,6 +190,8 @@ def _encode(
     num_proc: int | None,
     cache_file: Path,
 ) -> Dataset:
+    from datasets import Features, Sequence, Value
+
     suffix = [] if is_stream else [eot_id]
 
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:

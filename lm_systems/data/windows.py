@@ -51,13 +51,26 @@ def gather_windows(tokens: np.ndarray, starts: np.ndarray, window: int) -> torch
     return torch.from_numpy(np.asarray(tokens[positions], dtype=np.int64))
 
 
+def checked_ids(batch: torch.Tensor, vocab_size: int | None, tokens_path: str) -> torch.Tensor:
+    """``batch`` unchanged if every id is below ``vocab_size``; otherwise an error naming the damaged file."""
+    if vocab_size is not None and batch.numel() and int(batch.max()) >= vocab_size:
+        raise ValueError(
+            f"token cache file {tokens_path!r} holds id {int(batch.max())}, outside the tokenizer's {vocab_size} ids: "
+            f"the file is damaged; delete {str(Path(tokens_path).parent)!r} and it is rebuilt on the next run"
+        )
+    return batch
+
+
 def _worker_shard() -> tuple[int, int]:
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
 class TrainWindowStream(IterableDataset):
-    """Endless batches of random (batch_size, context_length + 1) windows for one rank, from ``start_batch`` on."""
+    """Endless batches of random (batch_size, context_length + 1) windows for one rank, from ``start_batch`` on.
+
+    With ``vocab_size``, an id at or above it (a damaged cache file) is an error naming the file.
+    """
 
     def __init__(
         self,
@@ -68,8 +81,10 @@ class TrainWindowStream(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         start_batch: int = 0,
+        vocab_size: int | None = None,
     ) -> None:
         self.tokens_path = str(tokens_path)
+        self.vocab_size = vocab_size
         self.window = context_length + 1
         self.batch_size = batch_size
         self.seed = seed
@@ -81,7 +96,7 @@ class TrainWindowStream(IterableDataset):
         starts = train_window_starts(
             self.seed, self.rank, self.world_size, batch_index, self.batch_size, len(tokens), self.window
         )
-        return gather_windows(tokens, starts, self.window)
+        return checked_ids(gather_windows(tokens, starts, self.window), self.vocab_size, self.tokens_path)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         # Opened here, not in __init__: a memmap pickled into a worker process would be copied whole.
@@ -102,8 +117,10 @@ class ValidationWindows(IterableDataset):
         batch_size: int,
         rank: int,
         world_size: int,
+        vocab_size: int | None = None,
     ) -> None:
         self.tokens_path = str(tokens_path)
+        self.vocab_size = vocab_size
         self.starts = starts[rank::world_size]
         self.window = context_length + 1
         self.batch_size = batch_size
@@ -119,4 +136,4 @@ class ValidationWindows(IterableDataset):
         worker, num_workers = _worker_shard()
         for batch_index in range(worker, self.num_batches, num_workers):
             starts = self.starts[batch_index * self.batch_size : (batch_index + 1) * self.batch_size]
-            yield gather_windows(tokens, starts, self.window)
+            yield checked_ids(gather_windows(tokens, starts, self.window), self.vocab_size, self.tokens_path)

@@ -46,4 +46,3 @@ def test_litlm_trains_with_every_profiling_callback(tmp_path):
     tokens_per_s, mfu = float(logged[-1]["train/device/items_per_sec"]), float(logged[-1]["train/device/mfu"])
     flops_per_token = module.flops_per_batch / (2 * 24)  # LitLM's flops_per_batch: flops_per_token × B × T
     assert mfu == pytest.approx(tokens_per_s * flops_per_token / 1e12)
-

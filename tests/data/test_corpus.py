@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from datasets import Dataset, DatasetDict
 
-from lm_systems.data import corpus as corpus_module
 from lm_systems.data.corpus import load_corpus, resolve_corpus
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.data.tokenizer import END_OF_TEXT, save_tokenizer
@@ -83,7 +82,7 @@ def test_hub_without_network_says_how_to_get_the_data_in(tmp_path, monkeypatch):
     def offline(*args, **kwargs):  # what datasets raises here after its retries, offline
         raise ConnectionError("Couldn't reach 'roneneldan/TinyStories' on the Hub (LocalEntryNotFoundError)")
 
-    monkeypatch.setattr(corpus_module, "load_dataset", offline)
+    monkeypatch.setattr("datasets.load_dataset", offline)  # corpus.py imports it where it reads
     source = resolve_corpus("roneneldan/TinyStories", tmp_path, generated_stories=1, seed=0)
     with pytest.raises(ConnectionError, match=r"--data.corpus 'roneneldan/TinyStories'.*save_to_disk.*--data.corpus some_folder"):
         load_corpus(source, tmp_path, "text")

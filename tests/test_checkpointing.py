@@ -1,0 +1,143 @@
+"""Checkpoints: step files and last.ckpt as a link, never a file of non-finite weights, never a torn file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lm_systems.checkpoint_io import NonFiniteWeightsError, SafeCheckpointIO
+from lm_systems.checkpointing import checkpoint_callbacks
+
+ADVICE = ("--model.lr", "--trainer.gradient_clip_val", "bf16-mixed")
+
+
+class TinyRegression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 4, generator=generator)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+class AtStep(L.Callback):
+    """Runs ``action(module)`` once, after the optimizer step that makes ``trainer.global_step == step``."""
+
+    def __init__(self, step: int, action) -> None:
+        self.step, self.action = step, action
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step == self.step:
+            self.action(pl_module)
+
+
+def poison(module: L.LightningModule) -> None:
+    with torch.no_grad():
+        module.layer.weight[0, 1] = float("nan")
+
+
+def fail(module: L.LightningModule) -> None:
+    raise RuntimeError("planted failure")
+
+
+def fit(tmp_path: Path, max_steps: int, interval: int, callbacks: tuple[L.Callback, ...] = ()) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[*callbacks, *checkpoint_callbacks(interval, dirpath=str(tmp_path))], plugins=[SafeCheckpointIO()],
+    )
+    trainer.fit(TinyRegression())
+    return trainer
+
+
+def step_of(path: Path) -> int:
+    return torch.load(path, weights_only=False)["global_step"]
+
+
+def test_step_files_every_interval_and_at_the_end_with_last_as_a_link(tmp_path):
+    fit(tmp_path, max_steps=5, interval=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=5.ckpt"]
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink() and os.readlink(last) == "step=5.ckpt", "last.ckpt must link the newest file, not copy it"
+    assert step_of(last) == 5
+
+
+def test_non_finite_weights_stop_the_run_and_last_stays_the_good_checkpoint(tmp_path):
+    with pytest.raises(NonFiniteWeightsError, match="step 4") as error:
+        fit(tmp_path, max_steps=8, interval=2, callbacks=(AtStep(3, poison),))
+    for advice in ADVICE:
+        assert advice in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"], "no crash.ckpt, no step=4.ckpt"
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 2
+    assert all(t.isfinite().all() for t in state["state_dict"].values())
+
+
+def test_an_exception_saves_crash_ckpt_and_keeps_last(tmp_path):
+    with pytest.raises(RuntimeError, match="planted failure"):
+        fit(tmp_path, max_steps=8, interval=2, callbacks=(AtStep(3, fail),))
+    assert step_of(tmp_path / "crash.ckpt") == 3
+    assert os.readlink(tmp_path / "last.ckpt") == "step=2.ckpt"
+
+
+def test_an_exception_after_divergence_writes_no_crash_ckpt(tmp_path):
+    with pytest.warns(UserWarning, match=r"could not save .*crash\.ckpt.*not finite.*step 3"):
+        with pytest.raises(RuntimeError, match="planted failure"):
+            fit(tmp_path, max_steps=8, interval=2, callbacks=(AtStep(3, lambda module: (poison(module), fail(module))),))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"]
+
+
+def test_checkpoint_io_refuses_non_finite_weights_and_keeps_the_file_there(tmp_path):
+    path = tmp_path / "step.ckpt"
+    io = SafeCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 6}, path)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(NonFiniteWeightsError, match="step 7"):
+            io.save_checkpoint({"state_dict": {"w": torch.tensor([1.0, bad]).bfloat16()}, "global_step": 7}, path)
+    assert step_of(path) == 6
+    assert [p.name for p in tmp_path.iterdir()] == ["step.ckpt"], "no temporary file is left behind"
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from lm_systems.checkpoint_io import SafeCheckpointIO
+    io, path = SafeCheckpointIO(), sys.argv[1]
+    for step in range(1, 1000):
+        io.save_checkpoint({"state_dict": {"w": torch.full((4_000_000,), float(step))}, "global_step": step}, path)
+        print(step, flush=True)
+""")
+
+
+def test_a_kill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """SIGKILL at several moments of a stream of 16 MB saves to one path: the file always loads, whole."""
+    path = tmp_path / "last.ckpt"
+    repo = Path(__file__).resolve().parents[1]
+    for delay in (0.0, 0.03, 0.07, 0.15):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], cwd=repo, stdout=subprocess.PIPE, text=True)
+        saved = int(writer.stdout.readline())  # the first save is complete
+        time.sleep(delay)
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        saved = max([saved, *(int(line) for line in writer.stdout.read().split())])
+        state = torch.load(path, weights_only=True)
+        step = state["global_step"]
+        assert step >= saved  # at least the last save it reported, maybe the one after, never a torn one
+        assert torch.equal(state["state_dict"]["w"], torch.full((4_000_000,), float(step)))

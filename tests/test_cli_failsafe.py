@@ -1,0 +1,218 @@
+"""train.py fails safe: bad input is a short usage error naming the flag, SIGTERM exits non-zero after saving,
+runs never share a folder, a resumed run can continue its own, and a configuration's own parts are kept."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
+from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
+from lm_systems.cli import main
+from lm_systems.run_logger import RunLogger
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
+FAST = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",
+        "--model.context_length", "16", "--model.sample_tokens", "4", "--data.generated_stories", "300",
+        "--data.vocab_size", "280", "--data.batch_size", "2", "--data.val_batches", "1",
+        "--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false"]
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+def train_py(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def usage_error(args: list[str], capsys) -> str:
+    """The last line of stderr of ``main(args)``, which must exit with 2 like a mistyped flag."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*FAST, *args])
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# -- errors at the door ----------------------------------------------------------------------
+
+
+def write_checkpoint(path: Path) -> Path:
+    torch.save({"state_dict": {"w": torch.ones(100_000)}}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "is not a readable PyTorch checkpoint (truncated"),
+        (lambda p: p.write_bytes(b"\x00" * 64), "is not a readable PyTorch checkpoint"),
+        (lambda p: (p.unlink(), p.mkdir()), "is a folder, not a checkpoint file"),
+        (lambda p: p.unlink(), "does not exist"),
+    ],
+    ids=["truncated", "not-a-zip", "folder", "missing"],
+)
+def test_ckpt_path_is_checked_before_lightning_reads_it(tmp_path, capsys, damage, message):
+    path = write_checkpoint(tmp_path / "run.ckpt")
+    damage(path)
+    line = usage_error(["--ckpt_path", str(path)], capsys)
+    assert f"--ckpt_path {str(path)!r} {message}" in line, line
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--precision", "8-bit"], ["--precision", "bf16-mixed", "16-mixed", "32-true"]),
+        (["--strategy", "nonsense"], ["--strategy", "naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "ddp"]),
+        (["--trainer.strategy", "nonsense"], ["--trainer.strategy", "zero1"]),
+        (["--accelerator", "abacus"], ["--accelerator", "cpu", "gpu", "auto"]),
+        (["--model.attention", "bogus"], ["--model.attention", "flash_triton"]),
+        (["--model.size", "huge"], ["--model.size", "small"]),
+    ],
+)
+def test_bad_values_are_one_line_usage_errors_listing_the_valid_ones(args, names, capsys):
+    line = usage_error(args, capsys)
+    assert line.startswith("error: ") and all(name in line for name in names), line
+
+
+def test_the_user_sees_no_traceback(tmp_path):
+    run = train_py("--precision", "8-bit")
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 2
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 3, err
+    assert "--precision (--trainer.precision) '8-bit' is not one of: " in err
+
+
+# -- SIGTERM, warnings ------------------------------------------------------------------------
+
+
+def test_sigterm_saves_crash_ckpt_and_exits_non_zero(tmp_path):
+    run = train_py(*FAST, "--max_steps", "100000", "--checkpointing_interval", "1", "--trainer.enable_progress_bar", "false")
+    checkpoints = tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints"
+    deadline = time.monotonic() + 240
+    while not (checkpoints / "step=1.ckpt").exists():
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.2)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 128 + signal.SIGTERM, err
+    crash = torch.load(checkpoints / "crash.ckpt", weights_only=False)
+    assert crash["global_step"] >= 1
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] >= 1
+
+
+def test_a_default_run_prints_no_avoidable_warning_or_tip(tmp_path):
+    run = train_py(*FAST, "--max_steps", "2", "--trainer.enable_progress_bar", "false")
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    for text in ("Warning", "warn", "Tip", "weights_only", "deprecated"):
+        assert text not in out + err, (text, out + err)
+    last = tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.is_symlink() and os.readlink(last) == "step=2.ckpt"
+
+
+def test_a_diverging_run_stops_non_zero_and_keeps_no_non_finite_checkpoint(tmp_path):
+    """The issue's run: lr 1e6 turns the weights NaN within a few steps; the steps before are saved."""
+    run = train_py(*FAST, "--model.lr", "1e6", "--max_steps", "40", "--checkpointing_interval", "1",
+                   "--trainer.enable_progress_bar", "false")
+    _, err = run.communicate(timeout=300)
+    assert run.returncode != 0
+    assert "--model.lr" in err and "--trainer.gradient_clip_val" in err, err[-3000:]
+    saved = list(tmp_path.rglob("*.ckpt"))
+    assert any(path.name == "last.ckpt" for path in saved) and len(saved) >= 2
+    for path in saved:
+        state = torch.load(path, weights_only=False)["state_dict"]
+        assert all(t.isfinite().all() for t in state.values() if t.is_floating_point()), path
+
+
+# -- run folders ------------------------------------------------------------------------------
+
+
+def test_loggers_racing_for_one_folder_claim_distinct_versions(tmp_path, monkeypatch):
+    """Both read the folder before either created its version (what two runs started together do)."""
+    monkeypatch.setattr(TensorBoardLogger, "_get_next_version", lambda self: 0)
+    versions = [RunLogger(save_dir=str(tmp_path), name="runs").version for _ in range(3)]
+    assert versions == [0, 1, 2]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["version_0", "version_1", "version_2"]
+
+
+def test_two_runs_started_together_write_separate_folders(tmp_path):
+    main([*FAST, "--max_steps", "1", "--trainer.enable_progress_bar", "false"])  # builds the shared data cache
+    runs = [train_py(*FAST, "--max_steps", "1", "--trainer.enable_progress_bar", "false", "--seed_everything", str(seed))
+            for seed in (1, 2)]
+    for run in runs:
+        assert run.wait(timeout=300) == 0, run.communicate()
+    folders = sorted((tmp_path / "logs" / "lm_systems").iterdir())
+    assert [f.name for f in folders] == ["version_0", "version_1", "version_2"]
+    seeds = {(f / "config.yaml").read_text().split("seed_everything: ")[1].split()[0] for f in folders[1:]}
+    assert seeds == {"1", "2"}
+    assert all((f / "checkpoints" / "step=1.ckpt").is_file() for f in folders)
+
+
+def test_resume_into_run_continues_the_folder_and_the_bar_total(tmp_path):
+    first = main([*FAST, "--max_steps", "4", "--checkpointing_interval", "2", "--trainer.enable_progress_bar", "false"])
+    run_dir = Path(first.trainer.logger.log_dir).resolve()
+    resumed = main([*FAST, "--max_steps", "6", "--ckpt_path", str(run_dir / "checkpoints" / "step=2.ckpt"),
+                    "--resume_into_run", "true"])
+    assert Path(resumed.trainer.logger.log_dir).resolve() == run_dir
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]
+    assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == "step=6.ckpt"
+    bar = resumed.trainer.progress_bar_callback
+    assert bar.total_train_batches == 6  # the whole run's, as the bar counts from its start
+    if isinstance(bar, StepsTQDMProgressBar):
+        assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (6, 6)
+
+
+def test_resume_into_run_needs_a_run_folder_checkpoint(tmp_path, capsys):
+    path = write_checkpoint(tmp_path / "loose.ckpt")
+    line = usage_error(["--ckpt_path", str(path), "--resume_into_run", "true"], capsys)
+    assert "--resume_into_run needs a --ckpt_path inside" in line
+
+
+# -- a configuration's own parts --------------------------------------------------------------
+
+
+def built_callbacks(monkeypatch, tmp_path, *args: str) -> list[L.Callback]:
+    monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: None)  # build everything, train nothing
+    return main([*FAST, *args]).trainer.callbacks
+
+
+def test_a_configured_model_checkpoint_and_progress_bar_are_kept(tmp_path, monkeypatch):
+    config = tmp_path / "mine.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n"
+        "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args: {every_n_train_steps: 7}\n"
+        "    - class_path: lightning.pytorch.callbacks.TQDMProgressBar\n      init_args: {refresh_rate: 3}\n"
+    )
+    callbacks = built_callbacks(monkeypatch, tmp_path, "-c", str(config))
+    checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    bars = [c for c in callbacks if isinstance(c, TQDMProgressBar) or isinstance(c, StepsProgressBar)]
+    assert [type(c) for c in checkpoints] == [ModelCheckpoint] and checkpoints[0]._every_n_train_steps == 7
+    assert [type(c) for c in bars] == [TQDMProgressBar] and bars[0].refresh_rate == 3
+    assert any(isinstance(c, CrashCheckpoint) for c in callbacks)
+
+
+def test_the_default_checkpointing_follows_the_interval(tmp_path, monkeypatch):
+    callbacks = built_callbacks(monkeypatch, tmp_path, "--checkpointing_interval", "5")
+    [checkpoint] = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    assert isinstance(checkpoint, StepCheckpoint) and checkpoint._every_n_train_steps == 5
+    assert checkpoint.save_last == "link"
+
+
+def test_an_interval_beside_a_configured_model_checkpoint_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        built_callbacks(monkeypatch, tmp_path, "--trainer.callbacks+=ModelCheckpoint", "--checkpointing_interval", "5")
+    assert "--checkpointing_interval" in capsys.readouterr().err.strip().splitlines()[-1]
