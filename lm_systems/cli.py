@@ -117,13 +117,17 @@ class LMCLI(LightningCLI):
         if trainer_config.get("enable_checkpointing") is not False:
             callbacks += self._checkpoint_callbacks(callbacks)
         if trainer_config.get("enable_progress_bar") is not False and not _has(callbacks, ProgressBar):
-            callbacks.append(StepsProgressBar() if _RICH_AVAILABLE else StepsTQDMProgressBar())
+            # Redrawn on logged steps only: a rich redraw per step cost the lent GPU hosts more time than Lightning's
+            # whole step (benchmarks/results/train_step.md).
+            refresh_rate = trainer_config.get("log_every_n_steps") or 1
+            bar = StepsProgressBar if _RICH_AVAILABLE else StepsTQDMProgressBar
+            callbacks.append(bar(refresh_rate=refresh_rate))
         plugins = trainer_config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
-        defaults = [MFUMonitor()] + ([LearningRateMonitor(logging_interval="step")] if trainer_config.get("logger") is not False else [])
-        callbacks += [default for default in defaults if not _has(callbacks, type(default))]
+        monitors = [MFUMonitor()] + ([LearningRateMonitor(logging_interval="step")] if trainer_config.get("logger") is not False else [])
+        callbacks += [monitor for monitor in monitors if not _has(callbacks, type(monitor))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
 
     def _checkpoint_callbacks(self, configured: list[Any]) -> list[Checkpoint]:

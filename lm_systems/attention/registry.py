@@ -10,8 +10,10 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.T
 
 _REGISTRY: dict[str, AttentionFn] = {}
 
-# Preference order for ``auto``: the first registered name that exists is taken.
-_AUTO_ON_CUDA = ("flash_triton", "sdpa")
+# Preference order for ``auto``: the first registered name that exists is taken. On CUDA, sdpa: inside the
+# xl training step at contexts 512 and 2048, eager and compiled, it was faster than flash_triton, whose
+# launches cost more host time than sdpa's (benchmarks/results/train_step.md).
+_AUTO_ON_CUDA = ("sdpa",)
 _AUTO_ON_CPU = ("sdpa",)
 
 

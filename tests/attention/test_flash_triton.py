@@ -15,7 +15,7 @@ if sys.platform != "linux":  # triton is a dependency on Linux only; there a bro
     pytest.skip("triton is installed on Linux only", allow_module_level=True)
 
 from attention_reference import reference_attention, rel_error  # noqa: E402
-from lm_systems.attention import flash_triton, resolve_attention_name  # noqa: E402
+from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton, flash_forward_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,7 +143,3 @@ def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
     q = torch.randn(1, 2, 9, 16)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         FlashAttention2Triton.apply(q, q, q, False)
-
-
-def test_auto_picks_flash_triton_on_cuda():
-    assert resolve_attention_name("auto", "cuda") == "flash_triton"

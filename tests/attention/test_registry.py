@@ -1,7 +1,6 @@
 """The attention registry and the two reference implementations."""
 
 import math
-import sys
 
 import pytest
 import torch
@@ -34,8 +33,8 @@ def test_reference_implementations_match_float64(name, is_causal, n_q, n_k):
 def test_auto_resolves_to_the_fastest_implementation_for_the_device():
     assert resolve_attention_name("auto", "cpu") == "sdpa"
     assert get_attention("auto", "cpu") is get_attention("sdpa")
-    # triton is a dependency on Linux only; elsewhere CUDA falls back to sdpa.
-    assert resolve_attention_name("auto", "cuda") == ("flash_triton" if sys.platform == "linux" else "sdpa")
+    # sdpa on CUDA too: it trained the xl model faster than flash_triton at every context measured.
+    assert resolve_attention_name("auto", "cuda") == "sdpa"
 
 
 def test_unknown_name_lists_valid_ones_and_duplicates_are_refused():
