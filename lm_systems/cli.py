@@ -81,7 +81,6 @@ class LMCLI(LightningCLI):
             "--resume_into_run", type=bool, default=False,
             help="with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version",
         )
-        parser.set_defaults({"data.val_batches": 16})  # keeps the embedded default run near two minutes
         # The data windows are as long as the model's context.
         parser.link_arguments(("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length)
 

@@ -31,6 +31,7 @@ class LitLM(L.LightningModule):
         num_layers: override the size's depth.
         num_heads: override the size's head count.
         d_ff: override the size's feed-forward width.
+        rope_theta: override the RoPE base (10,000 by default).
         attention: attention implementation (auto, naive, sdpa, flash_torch, flash_triton).
         lr: peak learning rate, reached after warm-up.
         min_lr_ratio: the cosine decays to lr × min_lr_ratio.
@@ -57,6 +58,7 @@ class LitLM(L.LightningModule):
         num_layers: Optional[int] = None,
         num_heads: Optional[int] = None,
         d_ff: Optional[int] = None,
+        rope_theta: Optional[float] = None,
         attention: str = "auto",
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,
@@ -81,7 +83,7 @@ class LitLM(L.LightningModule):
         # Validates the size and every override now, even while the vocabulary is still unknown.
         self._config = ModelConfig.from_name(
             size, context_length=context_length, d_model=d_model, num_layers=num_layers,
-            num_heads=num_heads, d_ff=d_ff, attention=attention, vocab_size=vocab_size,
+            num_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta, attention=attention, vocab_size=vocab_size,
         )
         self.model: TransformerLM | None = TransformerLM(self._config) if vocab_size is not None else None
         self.flops_per_batch: float | None = None

@@ -126,3 +126,14 @@ def test_compile_happens_once_across_stages(cache_dir, tmp_path, monkeypatch):
     t.fit(model, datamodule=data)
     t.validate(model, datamodule=data, verbose=False)
     assert calls == [model.model]
+
+
+def test_every_model_config_field_is_a_litlm_argument():
+    """So each one is settable from the command line (--model.<field>), rope_theta included."""
+    from dataclasses import fields
+    import inspect
+
+    from lm_systems.config import ModelConfig
+
+    assert {f.name for f in fields(ModelConfig)} <= set(inspect.signature(LitLM).parameters)
+    assert LitLM(size="tiny", vocab_size=100, rope_theta=500.0).model.config.rope_theta == 500.0

@@ -62,7 +62,7 @@ class LMDataModule(L.LightningDataModule):
         context_length: int = 128,
         batch_size: int = 16,
         val_fraction: float = 0.05,
-        val_batches: int = 32,
+        val_batches: int = 16,
         num_workers: int = 0,
         num_proc: Optional[int] = None,
         cache_dir: str = "data_cache",
