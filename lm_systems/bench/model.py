@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from lm_systems.attention import attention_names, resolve_attention_name
-from lm_systems.bench.device import free_memory, synchronize
+from lm_systems.bench.device import free_memory, reset_peak_memory, synchronize
 from lm_systems.bench.report import add_out_dir_arg, write_results
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.hardware import peak_flops
@@ -108,8 +108,7 @@ def measure(model, case: Case, device: torch.device, snapshot_dir: Path | None =
     optimizer = (
         torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda") if case.mode == "train_step" else None
     )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     try:
         with nvtx_range("warmup"):
             for _ in range(case.warmup):

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 
-from lm_systems.bench.device import free_memory, synchronize
+from lm_systems.bench.device import free_memory, peak_memory_gib, reset_peak_memory, synchronize
 from lm_systems.bench.report import add_out_dir_arg, write_results
 from lm_systems.cli import main as train_py
 from lm_systems.config import MODEL_SIZES, ModelConfig
@@ -47,7 +47,6 @@ PATHS = ("train_py", "plain")
 PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
 # One optimisation recipe for both paths, passed to train.py explicitly.
 LR, WARMUP_STEPS, MIN_LR_RATIO, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 5, 0.1, 0.1, (0.9, 0.95), 1.0
-_GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -71,15 +70,6 @@ class Setup:
 class Measurement:
     ms_per_step: float
     peak_gib: float
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / _GIB if device.type == "cuda" else float("nan")
 
 
 # -- train.py's path -------------------------------------------------------------------------
