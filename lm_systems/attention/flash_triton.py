@@ -13,9 +13,11 @@ j <= i + N_k - N_q); a query that sees no key gets a zero output and L = -inf.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 import triton
+from torch.library import triton_op, wrap_triton
 
 from lm_systems.attention.flash_torch import check_attention_inputs
 from lm_systems.attention.flash_triton_autotune import attn_bwd_dkdv, attn_bwd_dq, attn_fwd, interpreting
@@ -85,12 +87,26 @@ def _grid(n: int, block: str, batch_heads: int, heads_first: bool):
     return grid
 
 
-# Each pass is also a custom op, which torch.compile treats as one opaque call with a shape-only fake
-# instead of tracing the Triton autotuner and its prune function. Eager mode calls the passes directly: a
-# dispatcher round trip per pass cost more host time than the kernels' own launches.
+class _Kernels(NamedTuple):
+    """The four kernels of one launch path."""
+
+    fwd: Any
+    preprocess: Any
+    dkdv: Any
+    dq: Any
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+# Eager calls launch the kernels directly. Under torch.compile each pass is a ``triton_op`` whose kernels
+# are wrapped with ``wrap_triton``: Inductor sees the Triton kernels themselves, tunes each one once for the
+# graph's shapes (over the same pruned candidates) and launches them from its generated code, without the
+# dispatcher round trip or Triton's Python autotuner and launcher on every call.
+_EAGER_KERNELS = _Kernels(attn_fwd, attn_bwd_preprocess_kernel, attn_bwd_dkdv, attn_bwd_dq)
+_TRACED_KERNELS = _Kernels(*(wrap_triton(kernel) for kernel in _EAGER_KERNELS))
+
+
+def _forward(
+    kernels: _Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     q4, k4, v4 = _as_bhnd(q), _as_bhnd(k), _as_bhnd(v)
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
@@ -99,7 +115,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool)
     out4 = _as_bhnd(out)
 
     dims = _kernel_dims(d, n_q, n_k)
-    attn_fwd[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
+    kernels.fwd[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
         q4, k4, v4, out4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4),
         heads, n_q, n_k, 1.0 / math.sqrt(d), CAUSAL=is_causal, **dims,
     )
@@ -107,7 +123,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool)
 
 
 def _backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    kernels: _Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     grad_out: torch.Tensor, is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q4, k4, v4, o4, do4 = _as_bhnd(q), _as_bhnd(k), _as_bhnd(v), _as_bhnd(out), _as_bhnd(grad_out)
@@ -117,7 +133,7 @@ def _backward(
     sm_scale = 1.0 / math.sqrt(d)
 
     delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
-    attn_bwd_preprocess_kernel[(triton.cdiv(n_q, PREPROCESS_BLOCK), batch * heads)](
+    kernels.preprocess[(triton.cdiv(n_q, PREPROCESS_BLOCK), batch * heads)](
         o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
         HEAD_DIM=d, HEAD_DIM_PAD=dims["HEAD_DIM_PAD"], BLOCK_M=PREPROCESS_BLOCK,
     )
@@ -126,12 +142,12 @@ def _backward(
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
     dq4, dk4, dv4 = _as_bhnd(dq), _as_bhnd(dk), _as_bhnd(dv)
 
-    attn_bwd_dkdv[_grid(n_k, "BLOCK_N", batch * heads, dims["HEADS_FIRST"])](
+    kernels.dkdv[_grid(n_k, "BLOCK_N", batch * heads, dims["HEADS_FIRST"])](
         q4, k4, v4, do4, lse, delta, dk4, dv4,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk4), *_strides(dv4),
         heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
     )
-    attn_bwd_dq[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
+    kernels.dq[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
         q4, k4, v4, do4, lse, delta, dq4,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq4),
         heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
@@ -139,18 +155,17 @@ def _backward(
     return dq, dk, dv
 
 
-_forward_op = torch.library.custom_op("lm_systems::flash_attention_forward", _forward, mutates_args=())
-_backward_op = torch.library.custom_op("lm_systems::flash_attention_backward", _backward, mutates_args=())
+@triton_op("lm_systems::flash_attention_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(_TRACED_KERNELS, q, k, v, is_causal)
 
 
-@_forward_op.register_fake
-def _forward_fake(q, k, v, is_causal):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@_backward_op.register_fake
-def _backward_fake(q, k, v, out, lse, grad_out, is_causal):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+@triton_op("lm_systems::flash_attention_backward", mutates_args=())
+def _backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    grad_out: torch.Tensor, is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(_TRACED_KERNELS, q, k, v, out, lse, grad_out, is_causal)
 
 
 def flash_forward_triton(
@@ -158,7 +173,9 @@ def flash_forward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O shaped like q and the logsumexp L shaped ``q.shape[:-1]`` (float32)."""
     check_triton_inputs(q, k, v)
-    return (_forward_op if torch.compiler.is_compiling() else _forward)(q, k, v, is_causal)
+    if torch.compiler.is_compiling():
+        return _forward_op(q, k, v, is_causal)
+    return _forward(_EAGER_KERNELS, q, k, v, is_causal)
 
 
 def flash_backward_triton(
@@ -171,8 +188,10 @@ def flash_backward_triton(
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV: the D preprocess, then the dK/dV pass and the dQ pass."""
-    backward = _backward_op if torch.compiler.is_compiling() else _backward
-    return backward(q, k, v, out, lse, grad_out.to(q.dtype), is_causal)
+    grad_out = grad_out.to(q.dtype)
+    if torch.compiler.is_compiling():
+        return _backward_op(q, k, v, out, lse, grad_out, is_causal)
+    return _backward(_EAGER_KERNELS, q, k, v, out, lse, grad_out, is_causal)
 
 
 class _FlashAttention2TritonFunction(torch.autograd.Function):

@@ -108,6 +108,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                    HEAD_DIM, HEAD_DIM_PAD, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor passes a Python float as fp64
     qk_scale = sm_scale * LOG2_E
 
     full_end = (n_q // BLOCK_M) * BLOCK_M  # query tiles with no ragged end
@@ -199,6 +200,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     lse2 = tl.load(LSE + offs_m, mask=offs_m < n_q, other=0.0) * LOG2_E
     delta = tl.load(DELTA + offs_m, mask=offs_m < n_q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor passes a Python float as fp64
     qk_scale = sm_scale * LOG2_E
 
     unmasked_end, masked_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)

@@ -134,6 +134,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q = _load_rows(Q + offs_m[:, None] * stride_qn + offs_d[None, :], offs_m, n_q, offs_d,
                    HEAD_DIM, HEAD_DIM_PAD, True)
+    sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor passes a Python float as fp64
     qk_scale = sm_scale * LOG2_E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
