@@ -13,10 +13,10 @@ from torchmetrics import MeanMetric
 
 from lm_systems.attention import resolve_attention_name
 from lm_systems.config import ModelConfig
-from lm_systems.generate import sample_text
 from lm_systems.model import TransformerLM
 from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy
 from lm_systems.optim import adamw_param_groups, make_adamw
+from lm_systems.sampling import sample_text
 from lm_systems.schedule import warmup_cosine
 
 

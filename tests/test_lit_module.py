@@ -10,8 +10,9 @@ import torch
 from lm_systems.checkpoint_io import SafeCheckpointIO
 from lm_systems.checkpointing import checkpoint_callbacks
 from lm_systems.data.datamodule import LMDataModule
-from lm_systems.generate import load_checkpoint, sample_text
+from lm_systems.generate import load_checkpoint
 from lm_systems.lit_module import LitLM
+from lm_systems.sampling import sample_text
 
 SMALL_MODEL = dict(size="tiny", d_model=64, num_layers=2, num_heads=2, d_ff=192, context_length=32, warmup_steps=5, sample_prompt="")
 
