@@ -8,18 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 import zipfile
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from lm_systems.config import ModelConfig
+from lm_systems.lit_module import LitLM
 from lm_systems.model import TransformerLM
 from lm_systems.sampling import sample_text
-
-MODEL_PREFIX = "model."
-"""Where LitLM keeps the TransformerLM in its state dict."""
 
 
 def require_checkpoint_file(path: str | Path, flag: str) -> Path:
@@ -45,18 +41,25 @@ def require_checkpoint_file(path: str | Path, flag: str) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[TransformerLM, Tokenizer]:
-    """The model and tokenizer stored in a LitLM checkpoint, with an error naming --ckpt if it can't be read."""
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
+    """The model and tokenizer stored in a LitLM checkpoint, on ``map_location``, with an error naming --ckpt if
+    it can't be read.
+
+    The model is rebuilt by ``LitLM.load_from_checkpoint`` from the checkpoint's hyperparameters (the vocabulary
+    resolved at training time included), uncompiled: each new length of a growing sample would recompile it.
+    """
     path = require_checkpoint_file(path, "--ckpt")
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    if "model_config" not in ckpt or "tokenizer" not in ckpt:
+    tokenizer = _stored_tokenizer(path)
+    lit = LitLM.load_from_checkpoint(path, map_location=torch.device(map_location), compile=False)
+    return lit.model, tokenizer
+
+
+def _stored_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer a training checkpoint carries; memory-mapped, so no tensor of the checkpoint is read."""
+    entries = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    if not {"model_config", "tokenizer", LitLM.CHECKPOINT_HYPER_PARAMS_KEY} <= entries.keys():
         raise ValueError(f"{str(path)!r} was not written by lm_systems training (no model config or tokenizer)")
-    known = {f.name for f in fields(ModelConfig)}
-    config = ModelConfig(**{k: v for k, v in ckpt["model_config"].items() if k in known})
-    model = TransformerLM(config)
-    state = {k[len(MODEL_PREFIX) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(MODEL_PREFIX)}
-    model.load_state_dict(state)
-    return model, Tokenizer.from_str(ckpt["tokenizer"])
+    return Tokenizer.from_str(entries["tokenizer"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,8 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
 
-    model, tokenizer = load_checkpoint(args.ckpt)
-    model.to(args.device)
+    try:
+        model, tokenizer = load_checkpoint(args.ckpt, map_location=args.device)
+    except (ValueError, OSError) as error:  # the message names --ckpt; a traceback would bury it
+        parser.error(str(error))
     generator = torch.Generator().manual_seed(args.seed)
     for i in range(args.num_samples):
         text = sample_text(
