@@ -1,4 +1,4 @@
-"""Sample text from a TransformerLM or a training checkpoint.
+"""Sample text from a training checkpoint (the sampling itself is lm_systems.sampling's).
 
     python -m lm_systems.generate --ckpt logs/.../checkpoints/last.ckpt --prompt "Once upon a time"
 """
@@ -7,78 +7,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 import zipfile
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from lm_systems.config import ModelConfig
+from lm_systems.lit_module import LitLM
 from lm_systems.model import TransformerLM
-
-MODEL_PREFIX = "model."
-"""Where LitLM keeps the TransformerLM in its state dict."""
-
-
-@torch.no_grad()
-def sample(
-    model: TransformerLM,
-    prompt_ids: list[int],
-    max_new_tokens: int = 64,
-    temperature: float = 0.8,
-    top_p: float = 0.9,
-    eot_id: int | None = None,
-    generator: torch.Generator | None = None,
-) -> list[int]:
-    """Continue ``prompt_ids`` by nucleus sampling; stops after ``max_new_tokens`` or at ``eot_id``.
-
-    A model whose logits are not finite (diverged weights) cannot be sampled: sampling stops there with a
-    warning instead of failing inside ``torch.multinomial``, so a run's closing sample never crashes it.
-    """
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids], device=device)
-    new: list[int] = []
-    was_training = model.training
-    model.eval()
-    for _ in range(max_new_tokens):
-        logits = model(ids[:, -model.config.context_length :])[0, -1].float()  # (V,)
-        if not bool(logits.isfinite().all()):
-            warnings.warn(
-                f"sampling stopped after {len(new)} tokens: the model's logits are not finite (NaN or inf weights; "
-                "training diverged: lower --model.lr or clip with --trainer.gradient_clip_val)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            break
-        if temperature == 0:
-            next_id = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            outside = sorted_probs.cumsum(0) - sorted_probs > top_p
-            sorted_probs[outside] = 0.0
-            choice = torch.multinomial(sorted_probs.cpu(), 1, generator=generator)
-            next_id = int(order[choice.to(device)])
-        if next_id == eot_id:
-            break
-        new.append(next_id)
-        ids = torch.cat([ids, torch.tensor([[next_id]], device=device)], dim=1)
-    model.train(was_training)
-    return new
-
-
-def sample_text(model: TransformerLM, tokenizer: Tokenizer, prompt: str, **kwargs) -> str:
-    """``sample`` on text: encode the prompt, decode prompt + continuation."""
-    prompt_ids = tokenizer.encode(prompt).ids
-    eot_id = tokenizer.token_to_id("<|endoftext|>")
-    return tokenizer.decode(prompt_ids + sample(model, prompt_ids, eot_id=eot_id, **kwargs))
+from lm_systems.sampling import sample_text
 
 
 def require_checkpoint_file(path: str | Path, flag: str) -> Path:
@@ -104,18 +41,25 @@ def require_checkpoint_file(path: str | Path, flag: str) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path, map_location: str = "cpu") -> tuple[TransformerLM, Tokenizer]:
-    """The model and tokenizer stored in a LitLM checkpoint, with an error naming --ckpt if it can't be read."""
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
+    """The model and tokenizer stored in a LitLM checkpoint, on ``map_location``, with an error naming --ckpt if
+    it can't be read.
+
+    The model is rebuilt by ``LitLM.load_from_checkpoint`` from the checkpoint's hyperparameters (the vocabulary
+    resolved at training time included), uncompiled: each new length of a growing sample would recompile it.
+    """
     path = require_checkpoint_file(path, "--ckpt")
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    if "model_config" not in ckpt or "tokenizer" not in ckpt:
+    tokenizer = _stored_tokenizer(path)
+    lit = LitLM.load_from_checkpoint(path, map_location=torch.device(map_location), compile=False)
+    return lit.model, tokenizer
+
+
+def _stored_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer a training checkpoint carries; memory-mapped, so no tensor of the checkpoint is read."""
+    entries = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    if not {"model_config", "tokenizer", LitLM.CHECKPOINT_HYPER_PARAMS_KEY} <= entries.keys():
         raise ValueError(f"{str(path)!r} was not written by lm_systems training (no model config or tokenizer)")
-    known = {f.name for f in fields(ModelConfig)}
-    config = ModelConfig(**{k: v for k, v in ckpt["model_config"].items() if k in known})
-    model = TransformerLM(config)
-    state = {k[len(MODEL_PREFIX) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(MODEL_PREFIX)}
-    model.load_state_dict(state)
-    return model, Tokenizer.from_str(ckpt["tokenizer"])
+    return Tokenizer.from_str(entries["tokenizer"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,8 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
 
-    model, tokenizer = load_checkpoint(args.ckpt)
-    model.to(args.device)
+    try:
+        model, tokenizer = load_checkpoint(args.ckpt, map_location=args.device)
+    except (ValueError, OSError) as error:  # the message names --ckpt; a traceback would bury it
+        parser.error(str(error))
     generator = torch.Generator().manual_seed(args.seed)
     for i in range(args.num_samples):
         text = sample_text(

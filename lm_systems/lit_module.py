@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Optional
 
 import lightning.pytorch as L
@@ -13,15 +13,20 @@ from torchmetrics import MeanMetric
 
 from lm_systems.attention import resolve_attention_name
 from lm_systems.config import ModelConfig
-from lm_systems.generate import sample_text
 from lm_systems.model import TransformerLM
 from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy
 from lm_systems.optim import adamw_param_groups, make_adamw
+from lm_systems.sampling import sample_text
 from lm_systems.schedule import warmup_cosine
 
 
 class LitLM(L.LightningModule):
     """Next-token training of a TransformerLM with AdamW and a warm-up + cosine schedule.
+
+    The model's shape is given as flat arguments (a named size, then any field overridden) and resolved into
+    ``config``; the TransformerLM itself (``model``) is built in ``configure_model``, which the Trainer calls
+    after ``setup`` inside the strategy's ``tensor_init_context`` (weights created on the training device) and
+    ``load_from_checkpoint`` calls before loading the weights. Outside both, call ``configure_model()`` yourself.
 
     Args:
         size: named model size (tiny, small, medium, large, xl, 2.7b).
@@ -85,12 +90,22 @@ class LitLM(L.LightningModule):
             size, context_length=context_length, d_model=d_model, num_layers=num_layers,
             num_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta, attention=attention, vocab_size=vocab_size,
         )
-        self.model: TransformerLM | None = TransformerLM(self._config) if vocab_size is not None else None
+        self.model: TransformerLM | None = None
         self.flops_per_batch: float | None = None
+        self._data_shape: tuple[Optional[int], Optional[int]] | None = None  # (batch size, context), from setup
         self.val_loss = MeanMetric()
         self._nonfinite = NonFiniteGuard(on_nonfinite, max_consecutive_skips)
         self._last_loss: torch.Tensor | None = None
-        self._compiled = False
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's configuration: the named size with this module's overrides and the resolved vocabulary."""
+        if self.hparams.vocab_size is None:
+            raise RuntimeError(
+                "the model's vocabulary is not known yet: it is the datamodule's tokenizer's, taken when a Trainer "
+                "sets this module up (or set --model.vocab_size)"
+            )
+        return self._config
 
     @property
     def context_length(self) -> int:
@@ -99,35 +114,44 @@ class LitLM(L.LightningModule):
     # -- setup -------------------------------------------------------------------------------
 
     def setup(self, stage: str) -> None:
+        """Take the vocabulary from the datamodule's tokenizer where it is unset; check that the data fits the model."""
         datamodule = getattr(self.trainer, "datamodule", None)
         data_vocab = getattr(datamodule, "vocab_size", None)
         data_context = getattr(datamodule, "context_length", None)
-        if self.model is None:
+        if self.hparams.vocab_size is None:
             if data_vocab is None:
                 raise ValueError("model.vocab_size is unset and the datamodule has no tokenizer to take it from")
-            self._config = ModelConfig(**{**asdict(self._config), "vocab_size": data_vocab})
+            self._config = replace(self._config, vocab_size=data_vocab)
             self.hparams["vocab_size"] = data_vocab  # checkpoints record the resolved value
-            self.model = TransformerLM(self._config)
-        if data_vocab is not None and data_vocab > self._config.vocab_size:
+        if data_vocab is not None and data_vocab > self.config.vocab_size:
             raise ValueError(
-                f"the tokenizer has {data_vocab} tokens but model.vocab_size is {self._config.vocab_size}: "
+                f"the tokenizer has {data_vocab} tokens but model.vocab_size is {self.config.vocab_size}: "
                 "raise --model.vocab_size (or leave it unset to follow the tokenizer)"
             )
-        if data_context is not None and data_context > self._config.context_length:
+        if data_context is not None and data_context > self.config.context_length:
             raise ValueError(
                 f"data windows of {data_context} tokens exceed the model's context_length "
-                f"{self._config.context_length}: set --model.context_length to at least {data_context}"
+                f"{self.config.context_length}: set --model.context_length to at least {data_context}"
             )
-        if data_context is not None and getattr(datamodule, "batch_size", None):
-            tokens = datamodule.batch_size * data_context
-            self.flops_per_batch = self.model.flops_per_token(data_context) * tokens
-        if self.hparams.compile and not self._compiled:  # setup runs once per stage (fit, validate, …)
-            self.model.compile_blocks()
-            self._compiled = True
+        self._data_shape = (getattr(datamodule, "batch_size", None), data_context)
+
+    def configure_model(self) -> None:
+        """Build the TransformerLM (and compile its blocks) once: Lightning calls this hook at every fit, validate,
+        test and predict, and ``load_from_checkpoint`` calls it too. After a Trainer's ``setup``, also count
+        ``flops_per_batch`` for the data's batches (ThroughputMonitor and MFUMonitor read it) and log the size."""
+        if self.model is None:
+            self.model = TransformerLM(self.config)
+            if self.hparams.compile:
+                self.model.compile_blocks()
+        if self._data_shape is None:
+            return
+        batch_size, data_context = self._data_shape
+        if batch_size and data_context:
+            self.flops_per_batch = self.model.flops_per_token(data_context) * batch_size * data_context
         rank_zero_info(
             f"TransformerLM {self.hparams.size}: {self.model.num_parameters() / 1e6:.2f}M parameters, "
             f"{self.model.flops_per_token(data_context) / 1e6:.1f} MFLOP/token (training), "
-            f"attention={resolve_attention_name(self._config.attention, self.device)}"
+            f"attention={resolve_attention_name(self.config.attention, self.device)}"
         )
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -246,7 +270,7 @@ class LitLM(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._nonfinite.check(self._nonfinite_advice())  # never a checkpoint of weights that went non-finite
-        checkpoint["model_config"] = asdict(self.model.config)
+        checkpoint["model_config"] = asdict(self.config)
         tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
         if tokenizer is not None:
             checkpoint["tokenizer"] = tokenizer.to_str()

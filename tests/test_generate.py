@@ -1,54 +1,84 @@
-"""Sampling: greedy equals argmax decoding, top-p keeps only the nucleus, EOT stops."""
+"""Generation from a training checkpoint: LitLM.load_from_checkpoint rebuilds the trained model; unreadable files name --ckpt."""
 
+from pathlib import Path
+
+import lightning.pytorch as L
 import pytest
 import torch
 
-from lm_systems.config import ModelConfig
-from lm_systems.generate import load_checkpoint, sample
-from lm_systems.model import TransformerLM
+from lm_systems.checkpoint_io import SafeCheckpointIO
+from lm_systems.data.datamodule import LMDataModule
+from lm_systems.generate import load_checkpoint, main
+from lm_systems.lit_module import LitLM
+from lm_systems.sampling import sample_text
+
+SMALL_MODEL = dict(size="tiny", d_model=32, num_layers=2, num_heads=2, d_ff=64, context_length=16, sample_prompt="")
 
 
-@pytest.fixture
-def model():
-    return TransformerLM(ModelConfig.from_name("tiny", vocab_size=50, context_length=16, num_layers=1))
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[LitLM, LMDataModule, Path]:
+    """A LitLM trained 3 steps on the embedded corpus (vocabulary taken from its tokenizer) and its checkpoint."""
+    root = tmp_path_factory.mktemp("trained")
+    L.seed_everything(0)
+    lit = LitLM(**SMALL_MODEL, warmup_steps=1)
+    data = LMDataModule(cache_dir=str(root / "data"), generated_stories=300, vocab_size=300, context_length=16, batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        plugins=[SafeCheckpointIO()])
+    trainer.fit(lit, datamodule=data)
+    path = root / "trained.ckpt"
+    trainer.save_checkpoint(path)
+    return lit, data, path
 
 
-def test_greedy_sampling_is_argmax_decoding_and_crops_to_the_context(model):
-    prompt = [1, 2, 3]
-    out = sample(model, prompt, max_new_tokens=20, temperature=0)
-    ids = list(prompt)
-    for _ in range(20):
-        with torch.no_grad():
-            ids.append(int(model(torch.tensor([ids[-16:]]))[0, -1].argmax()))
-    assert out == ids[3:]
+def test_the_loaded_model_is_the_trained_one(trained):
+    lit, data, path = trained
+    model, tokenizer = load_checkpoint(path)
+    assert model.config == lit.config and model.config.vocab_size == data.vocab_size  # the vocabulary setup resolved
+    tokens = torch.randint(0, data.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    lit.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), lit.model(tokens), rtol=0, atol=0)
+    assert tokenizer.to_str() == data.tokenizer.to_str()
+    assert sample_text(model, tokenizer, "Once upon a time", max_new_tokens=4, temperature=0).startswith("Once upon a time")
 
 
-def test_tiny_top_p_is_greedy(model):
-    greedy = sample(model, [4, 5], max_new_tokens=8, temperature=0)
-    nucleus = sample(model, [4, 5], max_new_tokens=8, temperature=1.0, top_p=1e-6, generator=torch.Generator().manual_seed(3))
-    assert nucleus == greedy
+@pytest.mark.gpu
+def test_the_model_is_loaded_onto_the_chosen_device(trained):
+    lit, data, path = trained
+    model, _ = load_checkpoint(path, map_location="cuda")
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    tokens = torch.randint(0, data.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        # fp32 on both devices; the tolerance covers different matmul kernels (TF32 stays off by default).
+        torch.testing.assert_close(model(tokens.cuda()).cpu(), lit.model.cpu()(tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_sampling_stops_at_end_of_text(model):
-    first = sample(model, [7], max_new_tokens=1, temperature=0)[0]
-    assert sample(model, [7], max_new_tokens=5, temperature=0, eot_id=first) == []
+def test_the_command_line_samples_from_the_checkpoint(trained, capsys):
+    _, _, path = trained
+    main(["--ckpt", str(path), "--prompt", "Once upon a time", "--max_new_tokens", "3", "--num_samples", "2",
+          "--temperature", "0", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert out.count("Once upon a time") == 2 and "--- sample 2 ---" in out
 
 
-def test_bad_arguments_and_unreadable_checkpoints(model, tmp_path):
-    with pytest.raises(ValueError, match="top_p"):
-        sample(model, [1], top_p=0)
+def test_unreadable_or_foreign_checkpoints_name_the_flag(tmp_path):
     with pytest.raises(FileNotFoundError, match="--ckpt"):
         load_checkpoint(tmp_path / "missing.ckpt")
+    with pytest.raises(IsADirectoryError, match="--ckpt"):
+        load_checkpoint(tmp_path)
     junk = tmp_path / "junk.ckpt"
     junk.write_text("not a checkpoint")
     with pytest.raises(ValueError, match="--ckpt"):
         load_checkpoint(junk)
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
+    with pytest.raises(ValueError, match="not written by lm_systems training"):
+        load_checkpoint(foreign)
 
 
-def test_a_model_with_non_finite_weights_stops_sampling_with_a_warning(model):
-    """The closing sample of a diverged run must not crash it (torch.multinomial rejects NaN probabilities)."""
-    with torch.no_grad():
-        model.lm_head.weight[3, 0] = float("nan")
-    for temperature in (0.8, 0):
-        with pytest.warns(RuntimeWarning, match="sampling stopped after 0 tokens: the model's logits are not finite"):
-            assert sample(model, [1, 2], max_new_tokens=5, temperature=temperature) == []
+def test_the_command_line_reports_a_bad_checkpoint_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ckpt", str(tmp_path / "missing.ckpt")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--ckpt" in err and "does not exist" in err and "Traceback" not in err

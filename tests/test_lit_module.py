@@ -1,6 +1,8 @@
-"""LitLM end to end on the embedded corpus: learning, resuming exactly, checkpoint contents, bad input."""
+"""LitLM end to end on the embedded corpus: learning, resuming exactly, checkpoint contents, bad input; its model built
+in configure_model from a config every ModelConfig field reaches."""
 
 import math
+from dataclasses import fields, replace
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -9,9 +11,12 @@ import torch
 
 from lm_systems.checkpoint_io import SafeCheckpointIO
 from lm_systems.checkpointing import checkpoint_callbacks
+from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
-from lm_systems.generate import load_checkpoint, sample_text
+from lm_systems.generate import load_checkpoint
 from lm_systems.lit_module import LitLM
+from lm_systems.model import TransformerLM
+from lm_systems.sampling import sample_text
 
 SMALL_MODEL = dict(size="tiny", d_model=64, num_layers=2, num_heads=2, d_ff=192, context_length=32, warmup_steps=5, sample_prompt="")
 
@@ -43,6 +48,7 @@ def test_loss_is_the_cross_entropy_of_each_token_against_the_next():
     next token (unshifted, or shifted the wrong way) give another value."""
     vocab, width = 5, 8
     lit = LitLM(size="tiny", vocab_size=vocab, context_length=8, d_model=width, num_layers=1, num_heads=2, d_ff=16)
+    lit.configure_model()
     model = lit.model
     with torch.no_grad():
         for block in model.blocks:
@@ -70,6 +76,7 @@ def test_training_on_the_embedded_corpus_lowers_validation_loss(cache_dir, tmp_p
     after = t.callback_metrics["val/loss"].item()
     assert after < 0.8 * before, (before, after)
     assert model.hparams.vocab_size == data.vocab_size  # resolved from the tokenizer and recorded
+    assert model.config.vocab_size == model.model.config.vocab_size == data.vocab_size
 
 
 @pytest.mark.slow
@@ -128,12 +135,53 @@ def test_compile_happens_once_across_stages(cache_dir, tmp_path, monkeypatch):
     assert calls == [model.model]
 
 
-def test_every_model_config_field_is_a_litlm_argument():
-    """So each one is settable from the command line (--model.<field>), rope_theta included."""
-    from dataclasses import fields
-    import inspect
+def test_the_model_is_built_by_configure_model_once():
+    lit = LitLM(**SMALL_MODEL, vocab_size=100)
+    assert lit.model is None
+    lit.configure_model()
+    built = lit.model
+    assert isinstance(built, TransformerLM) and built.config == lit.config
+    lit.configure_model()  # Lightning calls it at every fit, validate, … and load_from_checkpoint
+    assert lit.model is built
 
-    from lm_systems.config import ModelConfig
 
-    assert {f.name for f in fields(ModelConfig)} <= set(inspect.signature(LitLM).parameters)
-    assert LitLM(size="tiny", vocab_size=100, rope_theta=500.0).model.config.rope_theta == 500.0
+def test_the_trainer_builds_the_model_after_setup_inside_the_strategys_init_context(cache_dir, tmp_path, monkeypatch):
+    """Under 64-true, Lightning's tensor_init_context makes float64 the default dtype: a model built there (and not in
+    __init__ or setup) is created in float64; its vocabulary is the tokenizer's, which setup resolved first."""
+    built_under = []
+    build = TransformerLM.__init__
+
+    def recording_build(self, config):
+        built_under.append((torch.get_default_dtype(), config.vocab_size))
+        build(self, config)
+
+    monkeypatch.setattr(TransformerLM, "__init__", recording_build)
+    data = datamodule(cache_dir)
+    lit = LitLM(**SMALL_MODEL)
+    assert built_under == []
+    trainer(tmp_path, max_steps=1, limit_val_batches=0, precision="64-true").fit(lit, datamodule=data)
+    assert built_under == [(torch.float64, data.vocab_size)]
+
+
+def test_outside_a_trainer_an_unknown_vocabulary_names_the_flag():
+    lit = LitLM(**SMALL_MODEL)
+    for use in (lambda: lit.config, lit.configure_model):
+        with pytest.raises(RuntimeError, match="--model.vocab_size"):
+            use()
+
+
+def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
+    """So each one is settable from the command line (--model.<field>) and reaches the model: a value for every
+    field, none of them tiny's, makes exactly that ModelConfig; unset ones keep the named size's."""
+    values = dict(vocab_size=123, context_length=48, d_model=96, num_layers=3, num_heads=3, d_ff=200,
+                  rope_theta=500.0, attention="naive")
+    assert set(values) == {f.name for f in fields(ModelConfig)}, "give the new ModelConfig field a value here"
+    tiny = MODEL_SIZES["tiny"]
+    assert all(getattr(tiny, name) != value for name, value in values.items())
+    lit = LitLM(size="tiny", **values)
+    assert lit.config == ModelConfig(**values)
+    lit.configure_model()
+    assert lit.model.config == lit.config
+    assert LitLM(size="xl", vocab_size=100, d_model=2000).config == replace(MODEL_SIZES["xl"], vocab_size=100, d_model=2000)
+    with pytest.raises(AttributeError):
+        lit.config = tiny  # read-only
