@@ -41,17 +41,19 @@ def require_checkpoint_file(path: str | Path, flag: str) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
-    """The model and tokenizer stored in a LitLM checkpoint, on ``map_location``, with an error naming --ckpt if
-    it can't be read.
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
+    """The model and tokenizer stored in a LitLM checkpoint, the model on ``device``, with an error naming --ckpt
+    if it can't be read.
 
     The model is rebuilt by ``LitLM.load_from_checkpoint`` from the checkpoint's hyperparameters (the vocabulary
     resolved at training time included), uncompiled: each new length of a growing sample would recompile it.
+    The checkpoint is read into host memory and only the weights move to ``device``: its optimizer state (twice
+    the weights again for AdamW) never takes room on a GPU.
     """
     path = require_checkpoint_file(path, "--ckpt")
     tokenizer = _stored_tokenizer(path)
-    lit = LitLM.load_from_checkpoint(path, map_location=torch.device(map_location), compile=False)
-    return lit.model, tokenizer
+    lit = LitLM.load_from_checkpoint(path, map_location="cpu", compile=False)
+    return lit.model.to(device), tokenizer
 
 
 def _stored_tokenizer(path: Path) -> Tokenizer:
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     try:
-        model, tokenizer = load_checkpoint(args.ckpt, map_location=args.device)
+        model, tokenizer = load_checkpoint(args.ckpt, device=args.device)
     except (ValueError, OSError) as error:  # the message names --ckpt; a traceback would bury it
         parser.error(str(error))
     generator = torch.Generator().manual_seed(args.seed)

@@ -46,7 +46,7 @@ def test_the_loaded_model_is_the_trained_one(trained):
 @pytest.mark.gpu
 def test_the_model_is_loaded_onto_the_chosen_device(trained):
     lit, data, path = trained
-    model, _ = load_checkpoint(path, map_location="cuda")
+    model, _ = load_checkpoint(path, device="cuda")
     assert {p.device.type for p in model.parameters()} == {"cuda"}
     tokens = torch.randint(0, data.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
