@@ -18,6 +18,10 @@ class _StepsBar(ProgressBar):
     mid-epoch gets no ``on_train_epoch_start``, which sets the total: Lightning's bar then read "Training: 101/?".
     It also shows the last logged training loss (see ``get_metrics``)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._shown: dict[str, tuple[Any, float]] = {}  # per shown name: the logged value and its float
+
     @override
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         super().on_train_start(trainer, pl_module)
@@ -40,8 +44,17 @@ class _StepsBar(ProgressBar):
         for name in SHOWN_LOGGED_METRICS:
             value = trainer.logged_metrics.get(name)
             if value is not None:
-                metrics[name] = float(value)
+                metrics[name] = self._as_float(name, value)
         return metrics
+
+    def _as_float(self, name: str, value: Any) -> float:
+        """``float(value)``, read from the device once per logged value: Lightning asks for the bar's metrics after
+        every batch, and reading a GPU tensor each time would make every step wait for the GPU."""
+        held, number = self._shown.get(name, (None, None))
+        if held is not value:  # a newly logged tensor (holding the old one keeps its id from being reused)
+            number = float(value)
+            self._shown[name] = (value, number)
+        return number
 
 
 class StepsProgressBar(_StepsBar, RichProgressBar):
