@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 import lightning.pytorch as L
+import torch
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
@@ -20,7 +21,7 @@ class _StepsBar(ProgressBar):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._shown: dict[str, tuple[Any, float]] = {}  # per shown name: the logged value and its float
+        self._shown: dict[str, tuple[torch.Tensor, float]] = {}  # per shown name: the logged tensor, its float
 
     @override
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
@@ -50,8 +51,12 @@ class _StepsBar(ProgressBar):
     def _as_float(self, name: str, value: Any) -> float:
         """``float(value)``, read from the device once per logged value: Lightning asks for the bar's metrics after
         every batch, and reading a GPU tensor each time would make every step wait for the GPU."""
-        held, number = self._shown.get(name, (None, None))
-        if held is not value:  # a newly logged tensor (holding the old one keeps its id from being reused)
+        if not isinstance(value, torch.Tensor):
+            return float(value)
+        # Lightning hands out a fresh detached view of the logged tensor each time. Holding the last one keeps its
+        # memory from being reused, so the same address means the same logged value.
+        held, number = self._shown.get(name, (None, 0.0))
+        if held is None or held.data_ptr() != value.data_ptr():
             number = float(value)
             self._shown[name] = (value, number)
         return number

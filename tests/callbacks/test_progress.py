@@ -1,10 +1,9 @@
 """The progress bars: no negative epoch total when training by steps, the logged loss read once per logged value
 (train.py's use is in tests/test_cli.py)."""
 
-from types import SimpleNamespace
-
 import lightning.pytorch as L
 import pytest
+import torch
 
 from callbacks import StepsProgressBar
 from callbacks.progress import StepsTQDMProgressBar
@@ -19,29 +18,39 @@ def test_progress_bar_has_no_negative_epoch_total():
         assert bar._get_train_description(0).strip() == expected
 
 
-class _CountingValue:
-    """A logged value that counts its reads to the host (a GPU tensor's float() waits for the GPU)."""
+class _CountingTensor(torch.Tensor):
+    """A logged tensor that counts its reads to the host (a GPU tensor's float() waits for the GPU)."""
 
-    def __init__(self, number: float) -> None:
-        self.number, self.reads = number, 0
+    reads = 0
 
     def __float__(self) -> float:
-        self.reads += 1
-        return self.number
+        type(self).reads += 1
+        return super().__float__()
+
+
+class _Trainer:
+    """What the bar reads of a Trainer; like Lightning's, each read of the logged metrics gives fresh views."""
+
+    loggers: list = []
+    progress_bar_metrics: dict = {}
+
+    def __init__(self) -> None:
+        self.loss: torch.Tensor | None = None
+
+    @property
+    def logged_metrics(self) -> dict:
+        return {} if self.loss is None else {"train/loss": self.loss.detach()}
 
 
 def test_bar_reads_each_logged_loss_once():
     """Lightning asks for the bar's metrics after every batch; the logged loss is read once per logged value."""
-    bar = StepsTQDMProgressBar()
-    trainer = SimpleNamespace(loggers=[], progress_bar_metrics={}, logged_metrics={})
+    bar, trainer = StepsTQDMProgressBar(), _Trainer()
     assert "train/loss" not in bar.get_metrics(trainer, None)
-    first = _CountingValue(2.5)
-    trainer.logged_metrics["train/loss"] = first
+    trainer.loss = torch.tensor(2.5).as_subclass(_CountingTensor)
     for _ in range(5):  # five batches between two logged steps
         assert bar.get_metrics(trainer, None)["train/loss"] == 2.5
-    assert first.reads == 1
-    second = _CountingValue(2.0)
-    trainer.logged_metrics["train/loss"] = second
-    assert bar.get_metrics(trainer, None)["train/loss"] == 2.0
-    assert bar.get_metrics(trainer, None)["train/loss"] == 2.0
-    assert (first.reads, second.reads) == (1, 1)
+    assert _CountingTensor.reads == 1
+    trainer.loss = torch.tensor(2.0).as_subclass(_CountingTensor)  # the next logged step
+    for _ in range(3):
+        assert bar.get_metrics(trainer, None)["train/loss"] == 2.0
+    assert _CountingTensor.reads == 2
