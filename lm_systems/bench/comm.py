@@ -50,7 +50,8 @@ def _rank(args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the collective is as slow as its slowest rank
             nbytes = tensor.numel() * 4
             yield {
-                "backend": args.backend, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "backend": args.backend,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "nproc": args.nproc, "op": op, "size_mb": size_mb, "time_ms": seconds.item() * 1e3,
                 "algbw_GBps": nbytes / seconds.item() / 1e9,
                 "busbw_GBps": bus_bandwidth(nbytes, seconds.item(), args.nproc) / 1e9,

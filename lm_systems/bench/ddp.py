@@ -1,22 +1,19 @@
-"""Data-parallel training benchmark: ``python -m lm_systems.bench.ddp``.
+"""Data-parallel training benchmark: ``python -m lm_systems.bench.ddp [--variants A,B,... | --pairs A:B,...]``.
 
 Trains a TransformerLM (default xl, batch 4 per rank, context 512, bf16 autocast, AdamW, fused on CUDA) in
-a plain PyTorch loop on ``--nproc`` processes started with torch.multiprocessing (no torchrun, no Trainer:
-the loop is the same for every variant, so step times compare the gradient synchronisation alone). The
-variants are those of ``lm_systems.bench.ddp_variants``, measured one of two ways:
+a plain PyTorch loop on ``--nproc`` spawned processes (no torchrun, no Trainer: the loop is the same for
+every variant of ``lm_systems.bench.ddp_variants``, so step times compare the gradient synchronisation alone).
 
-- ``--variants A,B,...`` (the default): one variant at a time, interleaved round by round, a fresh model
-  each visit. Per variant: step time (median, slowest rank), the phases of a few separately synchronised
-  steps (forward, backward, gradient sync left after backward, optimizer), tokens/s, scaling efficiency
-  (single-rank step time / step time), peak memory and optimizer state per rank, whether all replicas
-  hold identical weights. Ratios are taken within each round, then the median over rounds.
-- ``--pairs A:B,...``: paired A/B step times. On the lent GPU hosts step times drift by ±20% within
-  minutes, which swamps differences of a few percent between visits tens of seconds apart. Here both
-  variants of a pair live on the GPUs at once and their steps alternate (A B, B A, A B, ...) in turns of
-  ``--steps-per-turn`` back-to-back steps; every turn starts on all ranks together (a barrier) and is
-  timed to completion on the slowest rank. B_over_A is the median over iterations of B's time per step
-  over the adjacent A's, so drift slower than two turns cancels; for ``single:X``, 1 / B_over_A is X's
-  scaling efficiency.
+``--variants`` visits one variant at a time, interleaved round by round, a fresh model each visit: step
+time (median, slowest rank), the phases of separately synchronised steps, tokens/s, scaling efficiency
+(single-rank step time / step time), peak memory and optimizer state per rank, whether the replicas
+agree; ratios are taken within each round, then the median over rounds.
+
+``--pairs`` times pairs A:B for ratios of a few percent, which step times drifting ±20% within minutes on
+the lent GPU hosts swamp between visits: both variants live on the GPUs at once and their steps
+alternate (A B, B A, ...) in turns of ``--steps-per-turn`` back-to-back steps, each turn started on all
+ranks together (a barrier) and timed on the slowest. B_over_A is the median over iterations of B's time
+per step over the adjacent A's, so slower drift cancels; for ``single:X``, 1 / B_over_A is X's scaling.
 """
 
 from __future__ import annotations
@@ -43,14 +40,15 @@ PHASES = ("forward", "backward", "sync", "optimizer")
 
 
 def _rank(args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
-    """This rank's part: every visit or pair in turn, each row on every rank."""
+    """This rank's part: every visit or pair in turn; each row on every rank."""
     config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=args.attention,
                                    vocab_size=args.vocab_size)
     g = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
     batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
     names = [name for pair in args.pairs for name in pair] if args.pairs else args.variants
-    high_priority = any(Variant.parse(name).high_priority for name in names)
-    hp_group = gradient_process_group(high_priority=True) if high_priority else None  # None on gloo too
+    hp_group = None  # the default group on gloo too
+    if any(Variant.parse(name).high_priority for name in names):
+        hp_group = gradient_process_group(high_priority=True)
 
     def build_here(name: str) -> Run | None:
         """``name`` on this rank; None where it does not run (``single`` beyond rank 0)."""
@@ -63,21 +61,20 @@ def _rank(args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
         for pair in args.pairs:
             free_memory(device)
             yield pair_row(pair, time_pair([build_here(name) for name in pair], batch, args))
-    else:
-        for round_ in range(args.rounds):
-            for name in args.variants:
-                free_memory(device)
-                reset_peak_memory(device)
-                held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-                run = build_here(name)
-                result = measure(run, batch, args, held_before) if run is not None else None
-                run = None
-                yield {"round": round_, "variant": name, **visit_row(result, args)}
+        return
+    for round_ in range(args.rounds):
+        for name in args.variants:
+            free_memory(device)
+            reset_peak_memory(device)
+            held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            run = build_here(name)
+            result = measure(run, batch, args, held_before) if run is not None else None
+            yield {"round": round_, "variant": name, **visit_row(result, args)}
 
 
 def measure(run: Run, batch: torch.Tensor, args: argparse.Namespace, held_before: int) -> dict:
-    """Warm-up, timed steps and phase-instrumented steps of ``run`` on this rank; ``held_before``: bytes
-    allocated before it was built (what an earlier visit left is not this one's)."""
+    """Warm-up, timed steps and phase-timed steps of ``run`` on this rank; its peak memory above
+    ``held_before``, the bytes allocated before it was built (what an earlier visit left is not its own)."""
     device = batch.device
     step = make_step(run, device)
     for _ in range(args.warmup):
@@ -91,21 +88,19 @@ def measure(run: Run, batch: torch.Tensor, args: argparse.Namespace, held_before
         for name, a, b in zip(PHASES, marks, marks[1:]):
             phases[name].append(b - a)
     run.detach()
-    params = run.optimizer.param_groups[0]["params"]
-    state = run.optimizer.state  # a ShardedOptimizer's state is its shard's
+    state = run.optimizer.state  # a ShardedOptimizer's is its shard's
     return {
         "step_s": statistics.median(step_times),
         **{f"{k}_s": statistics.median(v) if v else float("nan") for k, v in phases.items()},
         "peak_mem": torch.cuda.max_memory_allocated(device) - held_before if device.type == "cuda" else float("nan"),
         "opt_state": sum(v.numel() * v.element_size() for s in state.values() for v in s.values()
                          if isinstance(v, torch.Tensor)),
-        "checksum": torch.stack([p.detach().double().sum() for p in params]).sum().item(),
+        "checksum": sum(p.detach().double().sum().item() for p in run.optimizer.param_groups[0]["params"]),
     }
 
 
 def visit_row(result: dict | None, args: argparse.Namespace) -> dict:
-    """One visit's row from every rank's ``result`` (None where it did not run): the slowest rank's times,
-    the largest memory, whether the replicas agree."""
+    """A visit's row from every rank's ``result`` (None where it did not run): slowest time, largest memory."""
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, result)
     ranks = [r for r in per_rank if r is not None]
@@ -121,15 +116,15 @@ def visit_row(result: dict | None, args: argparse.Namespace) -> dict:
 
 
 def time_pair(runs: list[Run | None], batch: torch.Tensor, args: argparse.Namespace) -> tuple[list, list]:
-    """Alternating turns of the two runs: seconds per step of each turn on the slowest rank, on every rank."""
-    device = batch.device
-    steps = [make_step(run, device) if run is not None else None for run in runs]
+    """Per-step seconds of each turn of the two runs on the slowest rank, alternating A B, B A, ..."""
+    steps = [make_step(run, batch.device) if run is not None else None for run in runs]
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(args.warmup + args.iterations):
         for which in ((0, 1) if i % 2 == 0 else (1, 0)):
             dist.barrier()
-            seconds = timed(lambda: _turn(steps[which], batch, args.steps_per_turn), device)
-            elapsed = torch.tensor([seconds / args.steps_per_turn], dtype=torch.float64, device=device)
+            turn = [steps[which]] * args.steps_per_turn if steps[which] is not None else []
+            seconds = timed(lambda: [step(batch) for step in turn], batch.device)
+            elapsed = torch.tensor([seconds / args.steps_per_turn], dtype=torch.float64, device=batch.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= args.warmup:
                 times[which].append(elapsed.item())
@@ -137,11 +132,6 @@ def time_pair(runs: list[Run | None], batch: torch.Tensor, args: argparse.Namesp
         if run is not None:
             run.detach()
     return times
-
-
-def _turn(step, batch: torch.Tensor, steps: int) -> None:
-    for _ in range(steps if step is not None else 0):
-        step(batch)
 
 
 def pair_row(names: tuple[str, str], times: tuple[list[float], list[float]]) -> dict:
@@ -182,8 +172,8 @@ def zero1_memory_note(summary: list[dict], nproc: int) -> str:
     zero, ddp = by_name["zero1"], by_name["bucketed_25"]
     saved, target = ddp["peak_mem_GB"] - zero["peak_mem_GB"], 0.9 * (1 - 1 / nproc) * ddp["opt_state_GB"]
     return (f"- zero1 vs bucketed_25: peak memory {saved:.2f} GB lower per rank; target ≥ 0.9·(1−1/N)·"
-            f"{ddp['opt_state_GB']:.2f} GB optimizer state = {target:.2f} GB ({'met' if saved >= target else 'missed'}); "
-            f"step time ×{zero['step_ms'] / ddp['step_ms']:.3f}")
+            f"{ddp['opt_state_GB']:.2f} GB optimizer state = {target:.2f} GB "
+            f"({'met' if saved >= target else 'missed'}); step time ×{zero['step_ms'] / ddp['step_ms']:.3f}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -191,22 +181,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     runs = parser.add_mutually_exclusive_group()
     runs.add_argument("--variants", type=lambda s: [checked_variant(v) for v in s.split(",")],
                       default=DEFAULT_VARIANTS, help="comma-separated, visited one at a time (see ddp_variants)")
-    runs.add_argument("--pairs", type=lambda s: [_pair(p) for p in s.split(",")],
-                      help="comma-separated A:B variant pairs, timed in alternating turns")
+    runs.add_argument("--pairs", type=lambda s: [_pair(p) for p in s.split(",")], help="comma-separated A:B pairs")
     parser.add_argument("--size", default="xl", help="model size (tiny, small, medium, large, xl, 2.7b)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--context-length", type=int, default=512)
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the size's (10,000)")
     parser.add_argument("--attention", default="sdpa", choices=attention_names(), help="the model's attention")
     add_device_arg(parser)
-    parser.add_argument("--nproc", type=int, default=None, help="processes, one per GPU (default: all GPUs, or 2 on CPU)")
+    parser.add_argument("--nproc", type=int, default=None, help="one per GPU (default: all GPUs, or 2 on CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per visit, or iterations per pair")
     parser.add_argument("--rounds", type=int, default=2, help="--variants: interleaved rounds over the variants")
     parser.add_argument("--steps", type=int, default=8, help="--variants: timed steps per visit")
     parser.add_argument("--instrumented-steps", type=int, default=2, help="--variants: steps timed phase by phase")
     parser.add_argument("--iterations", type=int, default=12, help="--pairs: timed iterations (each steps A and B)")
-    parser.add_argument("--steps-per-turn", type=int, default=1,
-                        help="--pairs: back-to-back steps per variant per turn, timed together (1: each synchronised)")
+    parser.add_argument("--steps-per-turn", type=int, default=1, help="--pairs: back-to-back steps per turn")
     args = parser.parse_args(argv)
     gpus = torch.cuda.device_count() if args.device.type == "cuda" else 0
     args.nproc = args.nproc or gpus or 2
@@ -227,7 +215,7 @@ def _pair(text: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Run the benchmark; returns the rows (per round for --variants: the file holds their summary)."""
+    """Run the benchmark; returns its rows (with --variants, per round: the file holds their summary)."""
     args = parse_args(argv)
     backend = "nccl" if args.device.type == "cuda" else "gloo"
     return spawn_ranks(_rank, args, args.nproc, backend, lambda rows: write(rows, args))
@@ -243,8 +231,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
                  "ones; each turn starts on all ranks together and counts on the slowest, per step. "
                  "B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
                  "for single:X pairs, 1 / B_over_A is X's scaling efficiency.")
-        write_results(f"ddp_paired_{label}", rows, title="Data-parallel variants, paired A/B step times",
-                      notes=notes, out_dir=args.out_dir)
+        write_results(f"ddp_paired_{label}", rows, "Data-parallel variants, paired A/B step times", notes,
+                      out_dir=args.out_dir)
         return
     setup += f", {'fused ' if args.device.type == 'cuda' else ''}AdamW, {args.nproc} processes"
     summary = summarize(rows)
@@ -257,8 +245,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
              + zero1_memory_note(summary, args.nproc))
     columns = ["variant", "nproc", "step_ms", "vs_torch_ddp", "scaling_eff", "tokens_per_s",
                *(f"{p}_ms" for p in PHASES), "peak_mem_GB", "opt_state_GB", "replicas_equal", "rounds"]
-    write_results(f"ddp_{label}", summary, title=f"Data-parallel strategies: {setup}", notes=notes, columns=columns,
-                  plot=bar_plot(summary, "variant", "step_ms", setup), out_dir=args.out_dir)
+    write_results(f"ddp_{label}", summary, f"Data-parallel strategies: {setup}", notes, columns,
+                  bar_plot(summary, "variant", "step_ms", setup), args.out_dir)
 
 
 if __name__ == "__main__":

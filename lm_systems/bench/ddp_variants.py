@@ -98,25 +98,23 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
     with device:
         model = TransformerLM(config)
     adamw = dict(lr=1e-4, fused=device.type == "cuda")
-    if variant.base == "single":
-        return Run(model, torch.optim.AdamW(model.parameters(), **adamw))
-    if variant.base == "torch_ddp":
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          process_group=group)
-        return Run(wrapped, torch.optim.AdamW(model.parameters(), **adamw))
-    if variant.base == "naive":
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    base = variant.base
+    if base == "single":
+        return Run(model, optimizer)
+    if base == "torch_ddp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        return Run(DistributedDataParallel(model, device_ids, process_group=group), optimizer)
+    if base == "naive":
         container = NaiveDDP(model, process_group=group)
-    elif variant.base == "overlap":
+    elif base == "overlap":
         container = DDPIndividualParameters(model, process_group=group, launch_thread=variant.launch_thread)
     else:
-        bucket_mb = 25 if variant.base == "zero1" else float(variant.base.removeprefix("bucketed_"))
-        container = DDPBucketed(model, bucket_size_mb=bucket_mb, process_group=group,
-                                launch_thread=variant.launch_thread)
-    if variant.base == "zero1":
+        bucket_mb = 25 if base == "zero1" else float(base.removeprefix("bucketed_"))
+        container = DDPBucketed(model, bucket_mb, process_group=group, launch_thread=variant.launch_thread)
+    if base == "zero1":
         stages = {} if variant.exchange_stages is None else {"exchange_stages": variant.exchange_stages}
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, **stages, **adamw)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
     return Run(container, optimizer, container.finish_gradient_synchronization, container.remove_hooks)
 
 

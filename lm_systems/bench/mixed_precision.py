@@ -110,7 +110,8 @@ def autocast_rows(device: torch.device) -> list[dict]:
         logits = toy(x)
         return logits, F.cross_entropy(logits, y)
 
-    lm = TransformerLM(ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)).to(device)
+    config = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+    lm = TransformerLM(config).to(device)
     tokens = torch.randint(0, 50, (2, 17), device=device)
 
     def lm_step():
@@ -118,10 +119,8 @@ def autocast_rows(device: torch.device) -> list[dict]:
         return logits, F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
     block = lm.blocks[0]
-    lm_watched = {
-        "embedding": lm.embedding, "RMSNorm": block.attn_norm, "attention": block.attn,
-        "SwiGLU": block.ffn, "block (residual stream)": block,
-    }
+    lm_watched = {"embedding": lm.embedding, "RMSNorm": block.attn_norm, "attention": block.attn,
+                  "SwiGLU": block.ffn, "block (residual stream)": block}
     return (dtype_rows("ToyModel", toy, {"fc1": toy.fc1, "relu": toy.relu, "ln": toy.ln}, toy_step, device)
             + dtype_rows("TransformerLM", lm, lm_watched, lm_step, device))
 

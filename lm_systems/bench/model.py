@@ -94,7 +94,9 @@ def measure(model, case: Case, device: torch.device) -> dict:
     generator = torch.Generator(device).manual_seed(0)
     tokens = torch.randint(0, case.vocab_size, (case.batch_size, case.context + 1), device=device, generator=generator)
     # Fused AdamW on the GPU, as LitLM trains: foreach would add a parameter-sized temporary to the peak.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda") if case.mode == "train_step" else None
+    optimizer = None
+    if case.mode == "train_step":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     reset_peak_memory(device)
     for _ in range(case.warmup):
         _run_step(model, optimizer, tokens, case)
@@ -152,7 +154,7 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
                 **_measure_recording_failures(model, case, args.device),
             })
             timing = f"{rows[-1]['mean_ms']:9.2f} ms" if rows[-1]["status"] == "ok" else rows[-1]["status"]
-            print(f"{size:>6} ctx {context:>5} {mode:>16} {precision} {attention} warmup {warmup}: {timing}", flush=True)
+            print(f"{size} ctx {context} {mode} {precision} {attention} warmup {warmup}: {timing}", flush=True)
         model = None
     return rows
 
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "dense peak of lm_systems.hardware; residual_MiB is one (B, T, d_model) fp32 activation. "
         + ("Compiled with torch.compile. " if args.compile else "")
     )
-    varying = [k for k in ("context", "warmup", "size", "mode", "precision", "attention") if len({r[k] for r in rows}) > 1]
+    varying = [k for k in ("context", "warmup", "size", "mode", "precision", "attention")
+               if len({r[k] for r in rows}) > 1]
     x = next((k for k in varying if k in ("context", "warmup", "size")), "size")
     plot = line_plot(rows, x, "mean_ms", series=[k for k in varying if k in ("size", "attention", "warmup") and k != x],
                      panels=[k for k in varying if k in ("mode", "precision")], title=f"step time ({args.name})",

@@ -75,15 +75,8 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -
     return "\n".join(lines)
 
 
-def write_results(
-    name: str,
-    rows: Sequence[dict],
-    title: str,
-    notes: str = "",
-    columns: Sequence[str] | None = None,
-    plot: Plot | None = None,
-    out_dir: Path | str = RUNS_DIR,
-) -> dict[str, Path]:
+def write_results(name: str, rows: Sequence[dict], title: str, notes: str = "", columns: Sequence[str] | None = None,
+                  plot: Plot | None = None, out_dir: Path | str = RUNS_DIR) -> dict[str, Path]:
     """Print ``rows`` as a table and write ``<name>.csv``, ``<name>.md`` (and ``<name>.png`` via ``plot``).
 
     The CSV is long-format (one row per measurement) with the environment repeated in each row, so
@@ -108,14 +101,14 @@ def write_results(
     body = "\n\n".join(part for part in (f"# {title}", header, notes.strip(), table) if part) + "\n"
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
-        plot = None
-    if plot is not None:
+    elif plot is not None:
         paths["png"] = out_dir / f"{name}.png"
         plot(paths["png"])
         body += f"\n![{title}]({paths['png'].name})\n"
     paths["md"].write_text(body)
 
-    print(f"\n{title}  ({env['gpu'] if env['gpu'] != 'none' else env['host_cpu']}, torch {env['torch']}, {env['date']})")
+    hardware = env["gpu"] if env["gpu"] != "none" else env["host_cpu"]
+    print(f"\n{title}  ({hardware}, torch {env['torch']}, {env['date']})")
     print(table)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return paths
@@ -130,10 +123,8 @@ def line_plot(rows: Sequence[dict], x: str, y: str, series: Sequence[str] = (), 
         plt = _pyplot()
         drawn = [r for r in rows if isinstance(r.get(y), (int, float))]
         names = list(dict.fromkeys(_key(r, panels) for r in drawn))
-        across = min(len(names), 4)
-        down = -(-len(names) // across)
-        fig, axes = plt.subplots(down, across, figsize=(5 * across, 4 * down), squeeze=False)
-        for ax, name in zip(axes.flat, names):
+        fig, axes = plt.subplots(1, len(names), figsize=(1 + 4.5 * len(names), 4), squeeze=False)
+        for ax, name in zip(axes[0], names):
             in_panel = [r for r in drawn if _key(r, panels) == name]
             for label in dict.fromkeys(_key(r, series) for r in in_panel):
                 line = [r for r in in_panel if _key(r, series) == label]
@@ -144,11 +135,7 @@ def line_plot(rows: Sequence[dict], x: str, y: str, series: Sequence[str] = (), 
             ax.grid(True, which="both", alpha=0.3)
             if series:
                 ax.legend(fontsize=7)
-        for ax in list(axes.flat)[len(names):]:
-            ax.set_visible(False)
-        if panels:
-            fig.suptitle(title)
-        _save(fig, path)
+        _save(plt, fig, path)
 
     return plot
 
@@ -156,19 +143,18 @@ def line_plot(rows: Sequence[dict], x: str, y: str, series: Sequence[str] = (), 
 def bar_plot(rows: Sequence[dict], label: str, value: str, title: str) -> Plot:
     """A ``plot`` for write_results: one horizontal bar of ``value`` per row, named by its ``label``."""
     def plot(path: Path) -> None:
-        fig, ax = _pyplot().subplots(figsize=(8, 0.35 * len(rows) + 1.5))
-        bars = ax.barh([r[label] for r in rows], [r[value] for r in rows])
-        ax.bar_label(bars, fmt="%.4g", fontsize=8)
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(8, 1.5 + 0.35 * len(rows)))
+        ax.bar_label(ax.barh([r[label] for r in rows], [r[value] for r in rows]), fmt="%.4g", fontsize=8)
         ax.invert_yaxis()
         ax.set(xlabel=value, title=title)
-        ax.grid(True, axis="x", alpha=0.3)
-        _save(fig, path)
+        _save(plt, fig, path)
 
     return plot
 
 
 def _key(row: dict, columns: Sequence[str]) -> str:
-    return " ".join(f"{row[c]}" for c in columns)
+    return " ".join(str(row[c]) for c in columns)
 
 
 def _pyplot():
@@ -180,7 +166,7 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> None:
+def _save(plt, fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    plt.close(fig)
