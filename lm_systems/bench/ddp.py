@@ -197,7 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps-per-turn", type=int, default=1, help="--pairs: back-to-back steps per turn")
     args = parser.parse_args(argv)
     gpus = torch.cuda.device_count() if args.device.type == "cuda" else 0
-    args.nproc = args.nproc or gpus or 2
+    if args.nproc is None:
+        args.nproc = gpus or 2
     if args.device.type == "cuda" and args.nproc > gpus:
         parser.error(f"--nproc {args.nproc} needs that many GPUs; {gpus} visible")
     if args.nproc < 2:

@@ -9,6 +9,7 @@ of GPU memory is a row marked OOM.
 
     python -m lm_systems.bench.model                                  # all sizes × ctx 128..1024
     python -m lm_systems.bench.model --sizes 2.7b --context-lengths 128 256 512 --modes forward train_step
+    python -m lm_systems.bench.model --sizes small --context-lengths 512 --warmup-steps 0 1 2 5 --isolate
     python -m lm_systems.bench.model --sizes tiny --device cpu --steps 2   # a quick CPU check
 """
 
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import statistics
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -159,6 +162,18 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def run_isolated(args: argparse.Namespace) -> list[dict]:
+    """Every combination in a fresh process, so that one-time costs (CUDA context, cuBLAS handles, kernel
+    loading) fall in its own first steps."""
+    swept = ("sizes", "attention", "context_lengths", "precisions", "modes", "warmup_steps")  # run_cases' order
+    rows = []
+    for values in itertools.product(*(getattr(args, name) for name in swept)):
+        one = argparse.Namespace(**{**vars(args), **{name: [value] for name, value in zip(swept, values)}})
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows += pool.submit(run_cases, one).result()
+    return rows
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argument_parser(__doc__)
     parser.add_argument("--sizes", nargs="+", default=list(CS336_SIZES), choices=list(MODEL_SIZES))
@@ -172,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=10_000)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (compiling happens in warm-up)")
+    parser.add_argument("--isolate", action="store_true", help="measure each configuration in a fresh process")
     add_device_arg(parser)
     parser.add_argument("--name", default="model_benchmark", help="results file stem under --out-dir")
     args = parser.parse_args(argv)
@@ -182,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    rows = run_cases(args)
+    rows = run_isolated(args) if args.isolate else run_cases(args)
     notes = (
         f"Batch {args.batch_size}, vocab {args.vocab_size}, random tokens; {args.steps} timed steps after the "
         "stated warm-up, each between two device synchronisations; mean ± std over the timed steps, "
@@ -190,6 +206,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "forward_backward adds loss.backward(); train_step adds AdamW. bf16 = autocast over fp32 weights. "
         "MFU counts 6N + 12·L·T·d FLOPs per token for a training step (a third for forward) over the "
         "dense peak of lm_systems.hardware; residual_MiB is one (B, T, d_model) fp32 activation. "
+        + ("Each configuration ran in a fresh process. " if args.isolate else "")
         + ("Compiled with torch.compile. " if args.compile else "")
     )
     varying = [k for k in ("context", "warmup", "size", "mode", "precision", "attention")

@@ -75,6 +75,12 @@ def test_a_failing_case_is_a_row_and_the_sweep_goes_on(failure, status, tmp_path
     assert status in (tmp_path / "model_benchmark.md").read_text()
 
 
+def test_isolated_cases_run_in_fresh_processes(tmp_path):
+    rows = bench.main([*FAST, "--device", "cpu", "--modes", "forward", "--precisions", "fp32", "--warmup-steps", "0",
+                       "--isolate", "--out-dir", str(tmp_path)])
+    assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["warmup"] == 0
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
