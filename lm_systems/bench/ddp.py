@@ -69,6 +69,7 @@ def _rank(args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
             held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             run = build_here(name)
             result = measure(run, batch, args, held_before) if run is not None else None
+            run = None  # the next visit's free_memory gives its memory back
             yield {"round": round_, "variant": name, **visit_row(result, args)}
 
 
