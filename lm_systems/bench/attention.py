@@ -1,119 +1,100 @@
-"""Attention benchmarks: ``python -m lm_systems.bench.attention --mode {pytorch,flash,headline,all}``.
+"""Causal attention benchmarks (CUDA): ``python -m lm_systems.bench.attention --mode {headline,pytorch,flash}``.
 
-- ``pytorch``: the PyTorch (naive) attention sweep — batch 8, one head, d × N grid, fp32, causal;
-  100 timed forwards and 100 timed backwards each, memory in use before backward, OOM as OOM, and
-  the memory accounting of the smallest configuration that runs out of memory.
-- ``flash``: batch 1, causal, N from 128 to 65536, d 16…128, bf16 and fp32; forward, backward and
-  forward+backward ms and TFLOP/s for naive, naive under torch.compile, SDPA's flash and cuDNN
-  backends, flash_torch and flash_triton, square and rectangular (N_q = N_k / 4), in one run.
-- ``headline``: B1 H16 N16384 d64 bf16 causal forward+backward of
-  ``torch.compile(FlashAttention2Triton.apply)`` beside SDPA's flash and cuDNN backends, measured
-  interleaved over several rounds and reported as ratios (plus d128 and naive attention).
+- ``headline``: B1 H16 N16384 bf16, d 64 and 128: ``torch.compile(FlashAttention2Triton.apply)`` and
+  flash_triton eager beside SDPA's flash and cuDNN backends, over interleaved rounds, as ratios; and
+  naive attention at that shape (and at batch 2, fp32, beside flash_triton) where it runs out of memory.
+- ``pytorch``: naive attention, batch 8, one head, fp32, over a d × N grid: the mean of ``--repeats``
+  event-timed forwards and backwards, memory before backward, and the memory accounting behind an OOM.
+- ``flash``: batch 1, one head, N 128…65536, d 16…128, bf16 and fp32: every implementation's forward,
+  backward and forward+backward ms and TFLOP/s, square and rectangular (N_q = N_k / 4).
 
-Times are medians of ``triton.testing.do_bench`` (CUDA events) unless the mode says otherwise.
-FLOPs count only the (query, key) pairs causal attention keeps: forward 4·d per pair (QKᵀ and PV),
-backward 2.5× the forward (five products against two), the FlashAttention-2 paper's convention.
+Times are medians of ``triton.testing.do_bench`` unless the mode says otherwise. FLOPs count only the
+(query, key) pairs causal attention keeps: forward 4·d per pair (QKᵀ and PV), backward 2.5× the forward
+(five products against two), the FlashAttention-2 paper's convention.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import statistics
 from typing import Callable
 
 import torch
 
-from lm_systems.bench.report import add_out_dir_arg, write_results
+from lm_systems.bench.report import argument_parser, format_value, line_plot, write_results
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PARTS = ("fwd", "bwd", "fwd+bwd")
+HEADLINE_N = 16384
+FLASH_IMPLS = ["naive", "naive_compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton"]
+FLASH_TORCH_MAX_PAIRS = 2**28  # flash_torch beyond this many score elements takes minutes per point
 
 
-def visible_pairs(n_q: int, n_k: int, is_causal: bool) -> int:
-    """(query, key) pairs attention computes; causal queries end-aligned (query i sees j <= i + n_k - n_q)."""
-    if not is_causal:
-        return n_q * n_k
-    shift = n_k - n_q
-    return sum(min(n_k, max(0, i + shift + 1)) for i in range(n_q))
-
-
-def attention_flops(batch_heads: int, n_q: int, n_k: int, d: int, is_causal: bool) -> dict[str, float]:
-    fwd = 4.0 * d * visible_pairs(n_q, n_k, is_causal) * batch_heads
+def attention_flops(batch_heads: int, n_q: int, n_k: int, d: int) -> dict[str, float]:
+    """FLOPs of causal attention, queries end-aligned to the keys (query i sees key j <= i + n_k - n_q)."""
+    pairs = sum(min(n_k, max(0, i + n_k - n_q + 1)) for i in range(n_q))
+    fwd = 4.0 * d * pairs * batch_heads
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}
 
 
-def _sdpa_backend(backend_name: str) -> AttnFn:
-    """SDPA restricted to one backend; rectangular causal uses the end-aligned (lower-right) bias."""
-    import torch.nn.attention.bias as attn_bias
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
-
-    def attend(q, k, v, is_causal):
-        with sdpa_kernel(backend):
-            if is_causal and q.shape[-2] != k.shape[-2]:
-                bias = attn_bias.causal_lower_right(q.shape[-2], k.shape[-2])
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-
-    return attend
-
-
 def implementations(names: list[str]) -> dict[str, AttnFn]:
-    """Name → attention function for the benchmark; each is built only when asked for."""
+    """Name → attention function: the registry's, SDPA on one backend, or a compiled one."""
+    import torch._functorch.config
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
     from lm_systems.attention import get_attention
     from lm_systems.attention.flash_triton import FlashAttention2Triton
 
+    def sdpa(backend: SDPBackend) -> AttnFn:
+        def attend(q, k, v, is_causal):  # causal, end-aligned where N_q < N_k
+            with sdpa_kernel(backend):
+                mask = causal_lower_right(q.shape[-2], k.shape[-2])
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        return attend
+
     # Timing backward alone replays one compiled backward with retain_graph=True, which AOTAutograd
     # refuses when it donated the saved buffers to the backward graph (seen at d = 128).
-    import torch._functorch.config
-
     torch._functorch.config.donated_buffer = False
     builders = {
-        "naive": lambda: get_attention("naive"),
         "naive_compiled": lambda: torch.compile(get_attention("naive"), dynamic=True),
-        "sdpa_flash": lambda: _sdpa_backend("flash"),
-        "sdpa_cudnn": lambda: _sdpa_backend("cudnn"),
-        "flash_torch": lambda: get_attention("flash_torch"),
-        "flash_triton": lambda: get_attention("flash_triton"),
+        "sdpa_flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION),
         "flash_triton_compiled": lambda: torch.compile(FlashAttention2Triton.apply),
     }
-    unknown = set(names) - set(builders)
-    if unknown:
-        raise SystemExit(f"unknown --impls {sorted(unknown)}; choose from {', '.join(builders)}")
-    return {name: builders[name]() for name in names}
+    return {name: builders[name]() if name in builders else get_attention(name) for name in names}
 
 
 def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def time_attention(fn: AttnFn, q, k, v, is_causal: bool, rep_ms: int) -> dict[str, float | str]:
-    """Median ms of forward, backward alone and forward+backward; 'OOM' or 'unsupported' where one fails."""
+def time_attention(fn: AttnFn, q, k, v, rep_ms: int) -> dict[str, float | str]:
+    """Median ms of causal forward, backward alone and forward+backward; 'OOM' or 'unsupported' where one fails."""
     from triton.testing import do_bench
 
     grad_out = torch.randn_like(q)
 
-    def bench(run, **kwargs) -> float:
-        return do_bench(run, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median", **kwargs)
+    def backward_alone() -> Callable[[], None]:
+        out = fn(q, k, v, True)  # one graph, its backward replayed (retain_graph) under the timer
+        return lambda: out.backward(grad_out, retain_graph=True)
 
-    def backward_alone() -> float:
-        out = fn(q, k, v, is_causal)  # one graph, its backward replayed (retain_graph) under the timer
-        return bench(lambda: out.backward(grad_out, retain_graph=True), grad_to_none=[q, k, v])
-
-    parts = {
-        "fwd": lambda: bench(lambda: fn(q, k, v, is_causal)),
+    calls = {
+        "fwd": lambda: lambda: fn(q, k, v, True),
         "bwd": backward_alone,
-        "fwd+bwd": lambda: bench(lambda: fn(q, k, v, is_causal).backward(grad_out), grad_to_none=[q, k, v]),
+        "fwd+bwd": lambda: lambda: fn(q, k, v, True).backward(grad_out),
     }
     times: dict[str, float | str] = {}
-    for part, measure in parts.items():
+    for part, make_call in calls.items():
         try:
-            times[part] = measure()
+            times[part] = do_bench(make_call(), warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median",
+                                   grad_to_none=[q, k, v])
         except Exception as error:  # noqa: BLE001 - a failure of one implementation is a table entry
             times[part] = "OOM" if _is_oom(error) else "unsupported"
             if times[part] == "unsupported":
-                print(f"  {getattr(fn, '__name__', fn)} {part}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                print(f"  {part}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
         finally:
             q.grad = k.grad = v.grad = None
             torch.cuda.empty_cache()
@@ -121,39 +102,90 @@ def time_attention(fn: AttnFn, q, k, v, is_causal: bool, rep_ms: int) -> dict[st
 
 
 def _qkv(batch: int, heads: int, n_q: int, n_k: int, d: int, dtype: torch.dtype):
-    make = lambda n: torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, requires_grad=True)  # noqa: E731
-    return make(n_q), make(n_k), make(n_k)
+    return tuple(torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, requires_grad=True)
+                 for n in (n_q, n_k, n_k))
 
 
-# --------------------------------------------------------------------------- mode 1: PyTorch sweep
+def _with_tflops(row: dict, times: dict, flops: dict) -> dict:
+    """``row`` with each part's ms and TFLOP/s (empty where the time is not a number)."""
+    for part in PARTS:
+        row[f"{part}_ms"] = times[part]
+        row[f"{part}_TFLOPs"] = flops[part] / times[part] / 1e9 if isinstance(times[part], float) else ""
+    return row
 
 
-def pytorch_sweep(args) -> None:
-    """Naive attention, batch 8, one head, fp32, causal: per-call timings with events and memory before backward."""
+def headline(args: argparse.Namespace) -> None:
+    from lm_systems.attention.flash_triton_autotune import tuned_configs
+
+    impls = implementations(["flash_triton_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn"])
+    rows = []
+    for d in (64, 128):
+        q, k, v = _qkv(1, 16, HEADLINE_N, HEADLINE_N, d, torch.bfloat16)
+        samples: dict[str, dict[str, list]] = {name: {part: [] for part in PARTS} for name in impls}
+        for _ in range(args.rounds):  # interleaved: every implementation once per round, so drift hits all alike
+            for name, fn in impls.items():
+                for part, t in time_attention(fn, q, k, v, args.rep_ms).items():
+                    samples[name][part].append(t)
+        median = {name: {part: _median(ts) for part, ts in parts.items()} for name, parts in samples.items()}
+        for name in impls:
+            row = _with_tflops({"impl": name, "d": d}, median[name], attention_flops(16, HEADLINE_N, HEADLINE_N, d))
+            for part in PARTS:
+                for base in ("sdpa_flash", "sdpa_cudnn"):
+                    ref, t = median[base][part], median[name][part]
+                    row[f"{part}_vs_{base}"] = ref / t if isinstance(t, float) and isinstance(ref, float) else ""
+            rows.append(row)
+        q = k = v = None
+    # On an 80 GB card naive attention fits at batch 1 (about 50 GB of scores and softmax), not at batch 2.
+    impls = implementations(["naive", "flash_triton"])
+    for name, dtype, batch in (("naive", "bf16", 1), ("naive", "fp32", 1), ("naive", "fp32", 2),
+                               ("flash_triton", "fp32", 2)):
+        times = time_attention(impls[name], *_qkv(batch, 16, HEADLINE_N, HEADLINE_N, 64, DTYPES[dtype]), args.rep_ms)
+        label = f"{name} ({dtype}" + (f", B{batch})" if batch > 1 else ")")
+        rows.append({"impl": label, "d": 64, **{f"{p}_ms": t for p, t in times.items()}})
+    tiles = "; ".join(f"{kind} {key[:4]}: {config}" for kind, configs in tuned_configs().items()
+                      for key, config in configs.items())
+    write_results(
+        "attention_headline", rows, f"Headline: B1 H16 N{HEADLINE_N} bf16 causal, forward + backward",
+        notes=f"Median over {args.rounds} interleaved rounds of the median of triton.testing.do_bench "
+        f"(rep {args.rep_ms} ms). flash_triton_compiled is torch.compile(FlashAttention2Triton.apply), "
+        "flash_triton the same Function called eagerly. Ratios are speed-ups: baseline time / this time "
+        "(above 1 means faster than the baseline). naive rows: the model's PyTorch attention at the same shape "
+        "(and at batch 2, beside flash_triton in fp32), to show where it runs out of memory. "
+        f"Tiles the autotuner chose (N_q, N_k, d, causal): {tiles}.",
+        columns=["impl", "d", "fwd_ms", "bwd_ms", "fwd+bwd_ms", "fwd+bwd_TFLOPs",
+                 *(f"{p}_vs_{b}" for p in ("fwd+bwd", "bwd") for b in ("sdpa_flash", "sdpa_cudnn"))],
+        out_dir=args.out_dir,
+    )
+
+
+def _median(values: list) -> float | str:
+    """The median of the numbers among ``values``; the first failure ('OOM', ...) when there are none."""
+    numbers = [v for v in values if isinstance(v, float)]
+    return statistics.median_high(numbers) if numbers else values[0]
+
+
+def pytorch_sweep(args: argparse.Namespace) -> None:
     attend = implementations(["naive"])["naive"]
     rows, first_oom = [], None
     for d in args.pytorch_head_dims:
         for n in args.pytorch_seq_lens:
-            row = {"d": d, "N": n}
             try:
-                q, k, v = (torch.randn(8, n, d, device="cuda", requires_grad=True) for _ in range(3))
-                row.update(_per_call_timings(attend, q, k, v, args.repeats))
+                row = {"d": d, "N": n, **_per_call_timings(attend, *_qkv(8, 1, n, n, d, torch.float32), args.repeats)}
             except Exception as error:  # noqa: BLE001
                 if not _is_oom(error):
                     raise
-                row.update({"fwd_ms": "OOM", "bwd_ms": "OOM", "mem_before_bwd_MiB": "OOM"})
+                row = {"d": d, "N": n, "fwd_ms": "OOM", "bwd_ms": "OOM", "mem_before_bwd_MiB": "OOM"}
                 first_oom = first_oom or (d, n)
-            finally:
-                q = k = v = None
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
             rows.append(row)
             print(row, flush=True)
-    notes = _memory_accounting(rows, first_oom)
+    ran = [{**r, "fwd+bwd_ms": r["fwd_ms"] + r["bwd_ms"]} for r in rows if r["fwd_ms"] != "OOM"]
     write_results(
         "attention_pytorch_sweep", rows, "Naive PyTorch attention: batch 8, one head, fp32, causal",
-        notes=notes + f"\n\nEach time is the mean of {args.repeats} calls, each bracketed by CUDA events.",
+        notes=_memory_accounting(rows, first_oom) + f"\n\nEach time is the mean of {args.repeats} calls, "
+        "each bracketed by CUDA events.",
         columns=["d", "N", "fwd_ms", "bwd_ms", "mem_before_bwd_MiB"], out_dir=args.out_dir,
-        plot=lambda path: _plot_pytorch(rows, path),
+        plot=line_plot(ran, "N", "fwd+bwd_ms", series=["d"], title="naive attention, B8 fp32", log="xy"),
     )
 
 
@@ -161,31 +193,29 @@ def _per_call_timings(attend: AttnFn, q, k, v, repeats: int) -> dict[str, float]
     grad_out = torch.randn_like(q)
     for _ in range(3):  # warm-up: allocator, cuBLAS handles
         attend(q, k, v, True).backward(grad_out)
-    q.grad = k.grad = v.grad = None
-    fwd_ms, bwd_ms = [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(repeats):
+
+    def event_ms(call: Callable[[], object]) -> float:
         start.record()
-        out = attend(q, k, v, True)
+        call()
         end.record()
         torch.cuda.synchronize()
-        fwd_ms.append(start.elapsed_time(end))
-    mem_before_bwd = torch.cuda.memory_allocated() / 2**20  # one live graph: `out` of the last forward
+        return start.elapsed_time(end)
+
+    fwd_ms = statistics.fmean(event_ms(lambda: attend(q, k, v, True)) for _ in range(repeats))
+    out = attend(q, k, v, True)
+    mem_before_bwd = torch.cuda.memory_allocated() / 2**20  # one live graph: `out`
+    bwd_ms = []
     for _ in range(repeats):
+        torch.cuda.synchronize()
+        bwd_ms.append(event_ms(lambda: out.backward(grad_out)))
         out = attend(q, k, v, True)
-        torch.cuda.synchronize()
-        start.record()
-        out.backward(grad_out)
-        end.record()
-        torch.cuda.synchronize()
-        bwd_ms.append(start.elapsed_time(end))
-    return {"fwd_ms": sum(fwd_ms) / repeats, "bwd_ms": sum(bwd_ms) / repeats, "mem_before_bwd_MiB": mem_before_bwd}
+    return {"fwd_ms": fwd_ms, "bwd_ms": statistics.fmean(bwd_ms), "mem_before_bwd_MiB": mem_before_bwd}
 
 
 def _memory_accounting(rows: list[dict], first_oom: tuple[int, int] | None) -> str:
     """Bytes per score element kept for backward, measured on the largest run, applied to the first OOM."""
-    ran = [r for r in rows if r["fwd_ms"] != "OOM"]
-    largest = max(ran, key=lambda r: (r["N"], r["d"]))
+    largest = max((r for r in rows if r["fwd_ms"] != "OOM"), key=lambda r: (r["N"], r["d"]))
     b, n, d = 8, largest["N"], largest["d"]
     io_mib = 5 * b * n * d * 4 / 2**20  # q, k, v, dO and the output, fp32
     per_elem = (largest["mem_before_bwd_MiB"] - io_mib) * 2**20 / (b * n * n)
@@ -207,205 +237,58 @@ def _memory_accounting(rows: list[dict], first_oom: tuple[int, int] | None) -> s
     )
 
 
-def _plot_pytorch(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for d in sorted({r["d"] for r in rows}):
-        pts = [(r["N"], r["fwd_ms"] + r["bwd_ms"]) for r in rows if r["d"] == d and r["fwd_ms"] != "OOM"]
-        if pts:
-            ax.loglog(*zip(*pts), marker="o", label=f"d={d}")
-    ax.set(xlabel="sequence length N", ylabel="forward + backward (ms)", title="naive attention, B8 fp32")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# --------------------------------------------------------------------------- mode 2: flash sweep
-
-FLASH_IMPLS = ["naive", "naive_compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton"]
-
-
-def flash_sweep(args) -> None:
-    """Batch 1, one head, causal: every implementation at every (N, d, dtype, shape), in one run."""
-    impls = implementations(args.flash_impls)
+def flash_sweep(args: argparse.Namespace) -> None:
+    impls = implementations(FLASH_IMPLS)
     rows: list[dict] = []
     try:
-        for dtype_name in args.flash_dtypes:
+        for dtype in args.flash_dtypes:
             for d in args.flash_head_dims:
-                for n in args.flash_seq_lens:
-                    for shape in ("square", "rect"):
-                        n_q = n if shape == "square" else n // 4  # rectangular: a chunk of queries over a longer cache
-                        flops = attention_flops(args.flash_heads, n_q, n, d, True)
-                        q, k, v = _qkv(1, args.flash_heads, n_q, n, d, DTYPES[dtype_name])
-                        for name, fn in impls.items():
-                            if name == "flash_torch" and n_q * n > args.flash_torch_max_pairs:
-                                times = dict.fromkeys(flops, "skipped")
-                            else:
-                                times = time_attention(fn, q, k, v, True, args.rep_ms)
-                            row = {"impl": name, "dtype": dtype_name, "d": d, "N_q": n_q, "N_k": n}
-                            for part in ("fwd", "bwd", "fwd+bwd"):
-                                t = times[part]
-                                row[f"{part}_ms"] = t
-                                row[f"{part}_TFLOPs"] = flops[part] / t / 1e9 if isinstance(t, float) else ""
-                            rows.append(row)
-                        q = k = v = None
-                        print(f"{dtype_name} d={d} N_q={n_q} N_k={n}: " + ", ".join(
-                            f"{r['impl']} {_fmt(r['fwd+bwd_ms'])}" for r in rows[-len(impls):]), flush=True)
+                for n, n_q in ((n, n_q) for n in args.flash_seq_lens for n_q in (n, n // 4)):
+                    q, k, v = _qkv(1, 1, n_q, n, d, DTYPES[dtype])
+                    for name, fn in impls.items():
+                        skip = name == "flash_torch" and n_q * n > FLASH_TORCH_MAX_PAIRS
+                        times = dict.fromkeys(PARTS, "skipped") if skip else time_attention(fn, q, k, v, args.rep_ms)
+                        row = {"impl": name, "dtype": dtype, "d": d, "N_q": n_q, "N_k": n}
+                        rows.append(_with_tflops(row, times, attention_flops(1, n_q, n, d)))
+                    q = k = v = None
+                    print(f"{dtype} d={d} N_q={n_q} N_k={n}: " + ", ".join(
+                        f"{r['impl']} {format_value(r['fwd+bwd_ms'])}" for r in rows[-len(impls):]), flush=True)
     finally:  # a time limit (SIGINT) or a crash still leaves the points measured so far
-        _write_flash(rows, args, complete=len(rows) == len(impls) * 2 * len(args.flash_dtypes)
-                     * len(args.flash_head_dims) * len(args.flash_seq_lens))
+        if rows:
+            _write_flash(rows, args)
 
 
-def _write_flash(rows: list[dict], args, complete: bool) -> None:
-    if not rows:
-        return
-    columns = ["impl", "dtype", "d", "N_q", "N_k", "fwd_ms", "bwd_ms", "fwd+bwd_ms",
-               "fwd_TFLOPs", "bwd_TFLOPs", "fwd+bwd_TFLOPs"]
+def _write_flash(rows: list[dict], args: argparse.Namespace) -> None:
+    points = len(FLASH_IMPLS) * 2 * len(args.flash_dtypes) * len(args.flash_head_dims) * len(args.flash_seq_lens)
     write_results(
-        "attention_flash_sweep", rows, f"Attention implementations: batch 1, {args.flash_heads} head(s), causal",
-        notes=(
-            ("" if complete else "**Partial run: stopped before the grid was done.** ")
-            + "Median of triton.testing.do_bench "
-            f"(rep {args.rep_ms} ms). 'rect' rows: N_q = N_k / 4, queries end-aligned to the keys. "
-            "TFLOP/s count only the (query, key) pairs causal attention keeps (forward 4·d per pair, "
-            "backward 2.5×). OOM: out of memory; unsupported: the backend refused the dtype or shape; "
-            f"skipped: flash_torch beyond {args.flash_torch_max_pairs:.2g} score elements (minutes per point)."
-        ),
-        columns=columns, out_dir=args.out_dir, plot=lambda path: _plot_flash(rows, path),
-    )
-
-
-def _fmt(value) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
-def _plot_flash(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = sorted({(r["dtype"], r["d"]) for r in rows})
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    colors = dict(zip(impls, plt.rcParams["axes.prop_cycle"].by_key()["color"]))  # one colour per impl in every panel
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (dtype_name, d) in zip(axes[0], panels):
-        for impl in impls:
-            pts = [(r["N_k"], r["fwd+bwd_TFLOPs"]) for r in rows if r["impl"] == impl and r["dtype"] == dtype_name
-                   and r["d"] == d and r["N_q"] == r["N_k"] and r["fwd+bwd_TFLOPs"] != ""]
-            if pts:
-                ax.semilogx(*zip(*pts), marker=".", color=colors[impl], label=impl)
-        ax.set(title=f"{dtype_name} d={d} (square)", xlabel="N", ylabel="fwd+bwd TFLOP/s")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# --------------------------------------------------------------------------- mode 3: headline
-
-HEADLINE_IMPLS = ["flash_triton_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn"]
-
-
-def headline(args) -> None:
-    """B1 H16 N16384 bf16 causal, d 64 (the target) and 128, interleaved rounds; naive for the OOM check."""
-    impls = implementations(HEADLINE_IMPLS)
-    rows = []
-    for d in (64, 128):
-        q, k, v = _qkv(1, 16, args.headline_n, args.headline_n, d, torch.bfloat16)
-        flops = attention_flops(16, args.headline_n, args.headline_n, d, True)
-        samples = {name: {"fwd": [], "bwd": [], "fwd+bwd": []} for name in impls}
-        for _ in range(args.rounds):  # interleaved: every implementation once per round, so drift hits all alike
-            for name, fn in impls.items():
-                for part, t in time_attention(fn, q, k, v, True, args.rep_ms).items():
-                    samples[name][part].append(t)
-        med = {name: {part: _median(ts) for part, ts in parts.items()} for name, parts in samples.items()}
-        for name in impls:
-            row = {"impl": name, "d": d}
-            for part in ("fwd", "bwd", "fwd+bwd"):
-                t = med[name][part]
-                row[f"{part}_ms"] = t
-                row[f"{part}_TFLOPs"] = flops[part] / t / 1e9 if isinstance(t, float) else ""
-                for base in ("sdpa_flash", "sdpa_cudnn"):
-                    ref = med[base][part]
-                    ok = isinstance(t, float) and isinstance(ref, float)
-                    row[f"{part}_vs_{base}"] = ref / t if ok else ""
-            rows.append(row)
-        q = k = v = None
-    from lm_systems.attention.flash_triton_autotune import tuned_configs
-
-    chosen = "; ".join(f"{kind} {key[:4]}: {config}" for kind, configs in tuned_configs().items()
-                       for key, config in configs.items())
-    rows += _naive_rows(args)
-    ratio_cols = [f"{p}_vs_{b}" for p in ("fwd+bwd", "bwd") for b in ("sdpa_flash", "sdpa_cudnn")]
-    write_results(
-        "attention_headline", rows,
-        f"Headline: B1 H16 N{args.headline_n} bf16 causal, forward + backward",
-        notes=(
-            f"Median over {args.rounds} interleaved rounds of the median of triton.testing.do_bench "
-            f"(rep {args.rep_ms} ms). flash_triton_compiled is torch.compile(FlashAttention2Triton.apply), "
-            "flash_triton the same Function called eagerly. "
-            "Ratios are speed-ups: baseline time / this time (above 1 means faster than the baseline). "
-            "naive rows: the model's PyTorch attention at the same shape (and at batch 2, beside flash_triton "
-            "in fp32), to show where it runs out of memory. "
-            f"Tiles the autotuner chose (N_q, N_k, d, causal): {chosen}."
-        ),
-        columns=["impl", "d", "fwd_ms", "bwd_ms", "fwd+bwd_ms", "fwd+bwd_TFLOPs", *ratio_cols],
+        "attention_flash_sweep", rows, "Attention implementations: batch 1, 1 head(s), causal",
+        notes=("" if len(rows) == points else "**Partial run: stopped before the grid was done.** ")
+        + f"Median of triton.testing.do_bench (rep {args.rep_ms} ms). 'rect' rows: N_q = N_k / 4, queries "
+        "end-aligned to the keys. TFLOP/s count only the (query, key) pairs causal attention keeps "
+        "(forward 4·d per pair, backward 2.5×). OOM: out of memory; unsupported: the backend refused the "
+        f"dtype or shape; skipped: flash_torch beyond {FLASH_TORCH_MAX_PAIRS:.2g} score elements.",
+        columns=["impl", "dtype", "d", "N_q", "N_k", *(f"{p}_ms" for p in PARTS), *(f"{p}_TFLOPs" for p in PARTS)],
+        plot=line_plot([r for r in rows if r["N_q"] == r["N_k"]], "N_k", "fwd+bwd_TFLOPs", series=["impl"],
+                       panels=["dtype", "d"], title="square, batch 1, one head", log="x"),
         out_dir=args.out_dir,
     )
 
 
-def _median(values: list) -> float | str:
-    numbers = sorted(v for v in values if isinstance(v, float))
-    return numbers[len(numbers) // 2] if numbers else values[0]
-
-
-def _naive_rows(args) -> list[dict]:
-    """Naive attention at the headline shape (bf16, fp32), and at batch 2 in fp32 beside flash_triton: on an
-    80 GB card batch 1 still fits (about 50 GB of scores and softmax), batch 2 does not."""
-    rows = []
-    impls = implementations(["naive", "flash_triton"])
-    for name, dtype_name, batch in (("naive", "bf16", 1), ("naive", "fp32", 1), ("naive", "fp32", 2),
-                                    ("flash_triton", "fp32", 2)):
-        q, k, v = _qkv(batch, 16, args.headline_n, args.headline_n, 64, DTYPES[dtype_name])
-        times = time_attention(impls[name], q, k, v, True, args.rep_ms)
-        label = f"{name} ({dtype_name}" + (f", B{batch})" if batch > 1 else ")")
-        rows.append({"impl": label, "d": 64, **{f"{p}_ms": t for p, t in times.items()}})
-        q = k = v = None
-    return rows
-
-
-# --------------------------------------------------------------------------- command line
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["pytorch", "flash", "headline", "all"], default="headline")
+    parser = argument_parser(__doc__)
+    parser.add_argument("--mode", choices=["headline", "pytorch", "flash"], default="headline")
+    parser.add_argument("--rounds", type=int, default=5, help="headline: interleaved rounds")
+    parser.add_argument("--rep-ms", type=int, default=100, help="headline, flash: do_bench measuring time per point")
+    parser.add_argument("--repeats", type=int, default=100, help="pytorch: timed calls per pass")
     parser.add_argument("--pytorch-seq-lens", type=int, nargs="+", default=[256, 1024, 4096, 8192, 16384])
     parser.add_argument("--pytorch-head-dims", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--flash-seq-lens", type=int, nargs="+", default=[2**p for p in range(7, 17)])
     parser.add_argument("--flash-head-dims", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--flash-dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp32"])
-    parser.add_argument("--flash-impls", nargs="+", default=FLASH_IMPLS, help="implementations in the flash sweep")
-    parser.add_argument("--flash-heads", type=int, default=1, help="heads in the flash sweep (batch is 1)")
-    parser.add_argument("--repeats", type=int, default=100, help="timed calls per pass in the PyTorch sweep")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per point (ms)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the headline")
-    parser.add_argument("--headline-n", type=int, default=16384, help="sequence length of the headline")
-    parser.add_argument("--flash-torch-max-pairs", type=float, default=2**28,
-                        help="skip flash_torch above this many score elements N_q·N_k")
-    add_out_dir_arg(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("lm_systems.bench.attention needs a CUDA GPU (the SDPA backends and Triton kernels time on one)")
-    modes = ["headline", "pytorch", "flash"] if args.mode == "all" else [args.mode]
-    for mode in modes:
-        {"pytorch": pytorch_sweep, "flash": flash_sweep, "headline": headline}[mode](args)
+        raise SystemExit("lm_systems.bench.attention times CUDA kernels: it needs a GPU")
+    {"headline": headline, "pytorch": pytorch_sweep, "flash": flash_sweep}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
-"""Data-parallel training benchmark: ``python -m lm_systems.bench.ddp --size xl --nproc 2``.
+"""Data-parallel training benchmark: ``python -m lm_systems.bench.ddp [--variants A,B,... | --pairs A:B,...]``.
 
-Trains a TransformerLM (default xl, batch 4 per rank, context 512, bf16 autocast, fused AdamW) in a plain
-PyTorch loop on ``--nproc`` processes started with torch.multiprocessing (no torchrun, no Trainer: the loop
-is the same for every variant, so the step times compare the gradient synchronisation alone). Variants
-(``lm_systems.bench.ddp_variants``) are visited one at a time, interleaved round by round, a fresh model
-each visit. Per variant: step time (median, slowest rank), the phases of a few separately synchronised
-steps (forward, backward, gradient sync left after backward, optimizer), tokens/s, scaling efficiency (single-rank step time / step time), peak memory and optimizer-state bytes per rank, and
-whether all replicas hold identical weights. Ratios are taken within each round, then the median over
-rounds. For ratios of a few percent on drifting hosts use ``bench.ddp_paired``.
+Trains a TransformerLM (default xl, batch 4 per rank, context 512, bf16 autocast, AdamW, fused on CUDA) in
+a plain PyTorch loop on ``--nproc`` spawned processes (no torchrun, no Trainer: the loop is the same for
+every variant of ``lm_systems.bench.ddp_variants``, so step times compare the gradient synchronisation alone).
+
+``--variants`` visits one variant at a time, interleaved round by round, a fresh model each visit: step
+time (median, slowest rank), the phases of separately synchronised steps, tokens/s, scaling efficiency
+(single-rank step time / step time), peak memory and optimizer state per rank, whether the replicas
+agree; ratios are taken within each round, then the median over rounds.
+
+``--pairs`` times pairs A:B for ratios of a few percent, which step times drifting ±20% within minutes on
+the lent GPU hosts swamp between visits: both variants live on the GPUs at once and their steps
+alternate (A B, B A, ...) in turns of ``--steps-per-turn`` back-to-back steps, each turn started on all
+ranks together (a barrier) and timed on the slowest. B_over_A is the median over iterations of B's time
+per step over the adjacent A's, so slower drift cancels; for ``single:X``, 1 / B_over_A is X's scaling.
 """
 
 from __future__ import annotations
@@ -15,45 +21,66 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import traceback
-from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from lm_systems.bench.ddp_variants import (Variant, add_setup_args, build, check_setup_args, checked_variant,
-                                           make_step, rank_config_and_batch, release, run_label, setup_description)
-from lm_systems.bench.device import free_memory, synchronize
-from lm_systems.bench.ranks import init_rank, spawn_ranks
-from lm_systems.bench.report import write_results
+from lm_systems.attention import attention_names
+from lm_systems.bench.ddp_variants import Run, Variant, build, checked_variant, make_step
+from lm_systems.bench.device import add_device_arg, free_memory, reset_peak_memory, synchronize, timed
+from lm_systems.bench.ranks import spawn_ranks
+from lm_systems.bench.report import argument_parser, bar_plot, write_results
+from lm_systems.config import ModelConfig
 from lm_systems.parallel import gradient_process_group
 
 GB = 1e9
-DEFAULT_VARIANTS = ["single", "torch_ddp", "naive", "naive_flat", "overlap", "bucketed_1", "bucketed_25",
-                    "bucketed_100", "bucketed_1000", "zero1", "zero1_broadcast", "torch_zero"]
+DEFAULT_VARIANTS = ["single", "torch_ddp", "naive", "overlap", "bucketed_25", "bucketed_1000", "zero1"]
 PHASES = ("forward", "backward", "sync", "optimizer")
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    if isinstance(optimizer, ZeroRedundancyOptimizer):  # a ShardedOptimizer's state is its shard already
-        optimizer = optimizer.optim
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))
+def _rank(args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
+    """This rank's part: every visit or pair in turn; each row on every rank."""
+    config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=args.attention,
+                                   vocab_size=args.vocab_size)
+    g = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
+    batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
+    names = [name for pair in args.pairs for name in pair] if args.pairs else args.variants
+    hp_group = None  # the default group on gloo too
+    if any(Variant.parse(name).high_priority for name in names):
+        hp_group = gradient_process_group(high_priority=True)
+
+    def build_here(name: str) -> Run | None:
+        """``name`` on this rank; None where it does not run (``single`` beyond rank 0)."""
+        variant = Variant.parse(name)
+        if variant.base == "single" and dist.get_rank() != 0:
+            return None
+        return build(variant, config, device, hp_group if variant.high_priority else None)
+
+    if args.pairs:
+        for pair in args.pairs:
+            free_memory(device)
+            yield pair_row(pair, time_pair([build_here(name) for name in pair], batch, args))
+        return
+    for round_ in range(args.rounds):
+        for name in args.variants:
+            free_memory(device)
+            reset_peak_memory(device)
+            held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            run = build_here(name)
+            result = measure(run, batch, args, held_before) if run is not None else None
+            run = None  # the next visit's free_memory gives its memory back
+            yield {"round": round_, "variant": name, **visit_row(result, args)}
 
 
-def measure(step, optimizer: torch.optim.Optimizer, batch: torch.Tensor, args: argparse.Namespace,
-            device: torch.device) -> dict:
-    """Warm-up, timed steps (synchronised per step) and phase-instrumented steps, on this rank."""
+def measure(run: Run, batch: torch.Tensor, args: argparse.Namespace, held_before: int) -> dict:
+    """Warm-up, timed steps and phase-timed steps of ``run`` on this rank; its peak memory above
+    ``held_before``, the bytes allocated before it was built (what an earlier visit left is not its own)."""
+    device = batch.device
+    step = make_step(run, device)
     for _ in range(args.warmup):
         step(batch)
-    step_times = []
-    for _ in range(args.steps):
-        synchronize(device)
-        start = time.perf_counter()
-        step(batch)
-        synchronize(device)
-        step_times.append(time.perf_counter() - start)
+    step_times = [timed(lambda: step(batch), device) for _ in range(args.steps)]
     phases: dict[str, list[float]] = {name: [] for name in PHASES}
     for _ in range(args.instrumented_steps):
         synchronize(device)
@@ -61,60 +88,60 @@ def measure(step, optimizer: torch.optim.Optimizer, batch: torch.Tensor, args: a
         step(batch, lambda: (synchronize(device), marks.append(time.perf_counter())))
         for name, a, b in zip(PHASES, marks, marks[1:]):
             phases[name].append(b - a)
-    params = optimizer.param_groups[0]["params"]
+    run.detach()
+    state = run.optimizer.state  # a ShardedOptimizer's is its shard's
     return {
         "step_s": statistics.median(step_times),
         **{f"{k}_s": statistics.median(v) if v else float("nan") for k, v in phases.items()},
-        "peak_mem": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan"),
-        "opt_state": optimizer_state_bytes(optimizer),
-        "checksum": torch.stack([p.detach().double().sum() for p in params]).sum().item(),
+        "peak_mem": torch.cuda.max_memory_allocated(device) - held_before if device.type == "cuda" else float("nan"),
+        "opt_state": sum(v.numel() * v.element_size() for s in state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor)),
+        "checksum": sum(p.detach().double().sum().item() for p in run.optimizer.param_groups[0]["params"]),
     }
 
 
-def visit(name: str, args: argparse.Namespace, device: torch.device, groups: dict) -> dict | None:
-    """Build, measure and free one variant; rank 0 returns the row (slowest rank's time, largest memory,
-    or None when it failed (the error is printed). ``groups`` caches the
-    communication groups variants ask for (created on every rank, in the same order)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    config, batch = rank_config_and_batch(args, rank, device)
-    variant = Variant.parse(name)
-    if variant.group_key is not None and variant.group_key not in groups:
-        groups[variant.group_key] = gradient_process_group(*variant.group_key)
-    result = None
-    if variant.base != "single" or rank == 0:
-        free_memory(device, args.compile)
-        held_before = 0
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            held_before = torch.cuda.memory_allocated(device)
-        try:
-            run = build(variant, config, device, groups.get(variant.group_key), args.compile)
-            result = measure(make_step(run, args.precision, device), run.optimizer, batch, args, device)
-            # What an earlier visit left allocated is not this variant's: count the peak above the start.
-            result["peak_mem"] -= held_before
-            release([run])
-        except Exception as error:  # e.g. a kernel that fails to compile: every rank fails alike, and goes on
-            traceback.print_exc()
-            result = {"error": f"{type(error).__name__}: {error}"}
-        run = None
-    per_rank = [None] * world
+def visit_row(result: dict | None, args: argparse.Namespace) -> dict:
+    """A visit's row from every rank's ``result`` (None where it did not run): slowest time, largest memory."""
+    per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, result)
     ranks = [r for r in per_rank if r is not None]
-    errors = [r["error"] for r in ranks if "error" in r]
-    if rank != 0 or errors:
-        if errors and rank == 0:
-            print(f"{name} failed: {errors[0]}", flush=True)
-        return None
-    nproc = 1 if variant.base == "single" else world
     step_s = max(r["step_s"] for r in ranks)
     return {
-        "variant": name, "nproc": nproc, "step_ms": step_s * 1e3,
+        "nproc": len(ranks), "step_ms": step_s * 1e3,
         **{f"{k}_ms": max(r[f"{k}_s"] for r in ranks) * 1e3 for k in PHASES},
-        "tokens_per_s": nproc * args.batch_size * args.context_length / step_s,
+        "tokens_per_s": len(ranks) * args.batch_size * args.context_length / step_s,
         "peak_mem_GB": max(r["peak_mem"] for r in ranks) / GB,
         "opt_state_GB": max(r["opt_state"] for r in ranks) / GB,
         "replicas_equal": len({r["checksum"] for r in ranks}) == 1,
     }
+
+
+def time_pair(runs: list[Run | None], batch: torch.Tensor, args: argparse.Namespace) -> tuple[list, list]:
+    """Per-step seconds of each turn of the two runs on the slowest rank, alternating A B, B A, ..."""
+    steps = [make_step(run, batch.device) if run is not None else None for run in runs]
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(args.warmup + args.iterations):
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            dist.barrier()
+            turn = [steps[which]] * args.steps_per_turn if steps[which] is not None else []
+            seconds = timed(lambda: [step(batch) for step in turn], batch.device)
+            elapsed = torch.tensor([seconds / args.steps_per_turn], dtype=torch.float64, device=batch.device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i >= args.warmup:
+                times[which].append(elapsed.item())
+    for run in runs:
+        if run is not None:
+            run.detach()
+    return times
+
+
+def pair_row(names: tuple[str, str], times: tuple[list[float], list[float]]) -> dict:
+    a, b = times
+    ratios = sorted(tb / ta for ta, tb in zip(a, b))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {"A": names[0], "B": names[1], "A_ms": statistics.median(a) * 1e3, "B_ms": statistics.median(b) * 1e3,
+            "B_over_A": statistics.median(ratios), "B_over_A_q1": quartiles[0], "B_over_A_q3": quartiles[2],
+            "iterations": len(ratios)}
 
 
 def summarize(rows: list[dict], baseline: str = "torch_ddp") -> list[dict]:
@@ -138,107 +165,90 @@ def summarize(rows: list[dict], baseline: str = "torch_ddp") -> list[dict]:
     return summary
 
 
-def zero1_memory_notes(summary: list[dict], nproc: int) -> str:
-    """Peak-memory saving of each ZeRO variant against its DDP counterpart, and the target of 90% of the ideal."""
+def zero1_memory_note(summary: list[dict], nproc: int) -> str:
+    """zero1's peak-memory saving against bucketed_25, and its target: 90% of the ideal."""
     by_name = {r["variant"]: r for r in summary}
-    lines = []
-    for zero, ddp in (("zero1", "bucketed_25"), ("zero1_broadcast", "bucketed_25"), ("torch_zero", "torch_ddp")):
-        if zero in by_name and ddp in by_name:
-            full_state = by_name[ddp]["opt_state_GB"]
-            saved = by_name[ddp]["peak_mem_GB"] - by_name[zero]["peak_mem_GB"]
-            target = 0.9 * (1 - 1 / nproc) * full_state
-            lines.append(f"- {zero} vs {ddp}: peak memory {saved:.2f} GB lower per rank; target ≥ 0.9·(1−1/N)·"
-                         f"{full_state:.2f} GB optimizer state = {target:.2f} GB ({'met' if saved >= target else 'missed'}); "
-                         f"step time ×{by_name[zero]['step_ms'] / by_name[ddp]['step_ms']:.3f}")
-    return "\n".join(lines)
-
-
-def _bar_plot(summary: list[dict], title: str):
-    def plot(path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 0.35 * len(summary) + 1.5))
-        ax.barh([r["variant"] for r in summary], [r["step_ms"] for r in summary], color="tab:blue")
-        ax.invert_yaxis()
-        ax.set(xlabel="step time (ms)", title=title)
-        for i, r in enumerate(summary):
-            ax.text(r["step_ms"], i, f" {r['step_ms']:.4g}", va="center", fontsize=8)
-        ax.grid(True, axis="x", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
-    return plot
-
-
-def _agree(value: bool) -> bool:
-    """Rank 0's decision, on every rank."""
-    decision = [value]
-    dist.broadcast_object_list(decision, src=0)
-    return decision[0]
-
-
-def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    """Rank 0 sends each row as soon as it is measured, so a later failure still leaves the earlier ones."""
-    device = init_rank(rank, args.nproc, port, "nccl" if args.device == "cuda" else "gloo", args.timeout_s)
-    start = time.perf_counter()
-    groups: dict = {}
-    try:
-        for round_ in range(args.rounds):
-            for name in args.variants:
-                if not _agree(time.perf_counter() - start < args.time_budget_s):
-                    return
-                row = visit(name, args, device, groups)
-                if row is not None:
-                    queue.put({"round": round_, **row})
-                    print(f"[{time.perf_counter() - start:6.1f}s] round {round_} {name:>16}: {row['step_ms']:8.2f} ms"
-                          f"  sync {row['sync_ms']:7.2f} ms  {row['peak_mem_GB']:6.2f} GB", flush=True)
-    finally:
-        for group in groups.values():
-            if group is not None:  # None: the default group, on gloo
-                dist.destroy_process_group(group)
-        dist.destroy_process_group()
+    if "zero1" not in by_name or "bucketed_25" not in by_name:
+        return ""
+    zero, ddp = by_name["zero1"], by_name["bucketed_25"]
+    saved, target = ddp["peak_mem_GB"] - zero["peak_mem_GB"], 0.9 * (1 - 1 / nproc) * ddp["opt_state_GB"]
+    return (f"- zero1 vs bucketed_25: peak memory {saved:.2f} GB lower per rank; target ≥ 0.9·(1−1/N)·"
+            f"{ddp['opt_state_GB']:.2f} GB optimizer state = {target:.2f} GB "
+            f"({'met' if saved >= target else 'missed'}); step time ×{zero['step_ms'] / ddp['step_ms']:.3f}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_setup_args(parser)
-    parser.add_argument("--variants", type=lambda s: [checked_variant(v) for v in s.split(",")],
-                        default=DEFAULT_VARIANTS, help="comma-separated; see lm_systems.bench.ddp_variants")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the variants")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per visit")
-    parser.add_argument("--instrumented-steps", type=int, default=2, help="steps timed phase by phase")
-    parser.add_argument("--time-budget-s", type=float, default=float("inf"), help="start no visit after this")
+    parser = argument_parser(__doc__)
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument("--variants", type=lambda s: [checked_variant(v) for v in s.split(",")],
+                      default=DEFAULT_VARIANTS, help="comma-separated, visited one at a time (see ddp_variants)")
+    runs.add_argument("--pairs", type=lambda s: [_pair(p) for p in s.split(",")], help="comma-separated A:B pairs")
+    parser.add_argument("--size", default="xl", help="model size (tiny, small, medium, large, xl, 2.7b)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--context-length", type=int, default=512)
+    parser.add_argument("--vocab-size", type=int, default=None, help="default: the size's (10,000)")
+    parser.add_argument("--attention", default="sdpa", choices=attention_names(), help="the model's attention")
+    add_device_arg(parser)
+    parser.add_argument("--nproc", type=int, default=None, help="one per GPU (default: all GPUs, or 2 on CPU)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per visit, or iterations per pair")
+    parser.add_argument("--rounds", type=int, default=2, help="--variants: interleaved rounds over the variants")
+    parser.add_argument("--steps", type=int, default=8, help="--variants: timed steps per visit")
+    parser.add_argument("--instrumented-steps", type=int, default=2, help="--variants: steps timed phase by phase")
+    parser.add_argument("--iterations", type=int, default=12, help="--pairs: timed iterations (each steps A and B)")
+    parser.add_argument("--steps-per-turn", type=int, default=1, help="--pairs: back-to-back steps per turn")
     args = parser.parse_args(argv)
-    check_setup_args(parser, args)
+    gpus = torch.cuda.device_count() if args.device.type == "cuda" else 0
+    if args.nproc is None:
+        args.nproc = gpus or 2
+    if args.device.type == "cuda" and args.nproc > gpus:
+        parser.error(f"--nproc {args.nproc} needs that many GPUs; {gpus} visible")
+    if args.nproc < 2:
+        parser.error("--nproc must be at least 2 (the single-GPU baseline runs inside the same job)")
+    if args.steps_per_turn < 1:
+        parser.error(f"--steps-per-turn must be at least 1, got {args.steps_per_turn}")
     return args
 
 
+def _pair(text: str) -> tuple[str, str]:
+    names = text.split(":")
+    if len(names) != 2:
+        raise argparse.ArgumentTypeError(f"a pair is A:B, got {text!r}")
+    return checked_variant(names[0]), checked_variant(names[1])
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Run the benchmark; returns the per-round rows (the file holds their summary)."""
+    """Run the benchmark; returns its rows (with --variants, per round: the file holds their summary)."""
     args = parse_args(argv)
-    return spawn_ranks(_worker, args, args.nproc, lambda rows: write_summary(rows, args))
+    backend = "nccl" if args.device.type == "cuda" else "gloo"
+    return spawn_ranks(_rank, args, args.nproc, backend, lambda rows: write(rows, args))
 
 
-def write_summary(rows: list[dict], args: argparse.Namespace) -> None:
-    setup = f"{setup_description(args)}, {'fused ' if args.device == 'cuda' else ''}AdamW, {args.nproc} processes"
-    method = ("Plain PyTorch loop, processes started by torch.multiprocessing.spawn (no torchrun, no Trainer); "
-              f"variants interleaved over {args.rounds} rounds, a fresh model per visit; {args.warmup} warm-up, "
-              f"{args.steps} timed steps (median, slowest rank), {args.instrumented_steps} phase-instrumented steps. "
-              "sync_ms: gradient averaging left after backward (torch DDP waits inside backward, so 0 there). "
-              "scaling_eff: single-rank step time / step time. vs_torch_ddp: step-time ratio in the same round. "
-              "peak_mem_GB: the visit's peak allocation above what was allocated when it started.")
-    columns = ["variant", "nproc", "step_ms", "vs_torch_ddp", "scaling_eff", "tokens_per_s",
-               *(f"{p}_ms" for p in PHASES), "peak_mem_GB",
-               "opt_state_GB", "replicas_equal", "rounds"]
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    label = f"{args.size}_{args.nproc}{'gpu' if args.device.type == 'cuda' else 'cpu'}"
+    setup = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, bf16-mixed, "
+             f"{args.attention} attention")
+    if args.pairs:
+        notes = (f"{setup}. Both variants of a pair resident at once, turns of {args.steps_per_turn} back-to-back "
+                 f"step(s) alternating A B / B A over {args.iterations} timed iterations after {args.warmup} warm-up "
+                 "ones; each turn starts on all ranks together and counts on the slowest, per step. "
+                 "B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
+                 "for single:X pairs, 1 / B_over_A is X's scaling efficiency.")
+        write_results(f"ddp_paired_{label}", rows, "Data-parallel variants, paired A/B step times", notes,
+                      out_dir=args.out_dir)
+        return
+    setup += f", {'fused ' if args.device.type == 'cuda' else ''}AdamW, {args.nproc} processes"
     summary = summarize(rows)
-    write_results(f"ddp_{run_label(args)}", summary, title=f"Data-parallel strategies: {setup}",
-                  notes=method + "\n\n" + zero1_memory_notes(summary, args.nproc), columns=columns,
-                  plot=_bar_plot(summary, setup), out_dir=args.out_dir)
+    notes = ("Plain PyTorch loop, processes started by torch.multiprocessing.spawn (no torchrun, no Trainer); "
+             f"variants interleaved over {args.rounds} rounds, a fresh model per visit; {args.warmup} warm-up, "
+             f"{args.steps} timed steps (median, slowest rank), {args.instrumented_steps} phase-instrumented steps. "
+             "sync_ms: gradient averaging left after backward (torch DDP waits inside backward, so 0 there). "
+             "scaling_eff: single-rank step time / step time. vs_torch_ddp: step-time ratio in the same round. "
+             "peak_mem_GB: the visit's peak allocation above what was allocated when it started.\n\n"
+             + zero1_memory_note(summary, args.nproc))
+    columns = ["variant", "nproc", "step_ms", "vs_torch_ddp", "scaling_eff", "tokens_per_s",
+               *(f"{p}_ms" for p in PHASES), "peak_mem_GB", "opt_state_GB", "replicas_equal", "rounds"]
+    write_results(f"ddp_{label}", summary, f"Data-parallel strategies: {setup}", notes, columns,
+                  bar_plot(summary, "variant", "step_ms", setup), args.out_dir)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,42 @@
-"""Device housekeeping every benchmark shares: wait for queued work, peak memory, give freed memory back."""
+"""Device housekeeping every benchmark shares: the ``--device`` flag, timing, peak memory, freeing memory."""
 
 from __future__ import annotations
 
+import argparse
 import gc
+import time
+from typing import Callable
 
 import torch
+
+
+def add_device_arg(parser: argparse.ArgumentParser) -> None:
+    """``--device cuda|cpu``, as a torch.device; cuda by default where a GPU is visible."""
+    parser.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda or cpu (default: cuda where a GPU is visible)")
+
+
+def _device(name: str) -> torch.device:
+    if name not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"choose cuda or cpu, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("cuda, but no CUDA device is visible: pass --device cpu")
+    return torch.device(name)
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU): brackets every timed region."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds ``fn()`` takes with the device work it queues, the device synchronised before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -24,12 +50,8 @@ def peak_memory_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else float("nan")
 
 
-def free_memory(device: torch.device, compile_mode: str | None = None) -> None:
-    """Give back what dropped models held. Under torch.compile's ``reduce-overhead`` that takes dropping the
-    compiled code too: its CUDA graphs' memory pools belong to torch's global cudagraph trees, not to the
-    models, and pile up visit after visit; the next model compiles afresh (from inductor's cache)."""
-    if compile_mode == "reduce-overhead":
-        torch._dynamo.reset()  # also resets the cudagraph trees
+def free_memory(device: torch.device) -> None:
+    """Give back what dropped models held."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

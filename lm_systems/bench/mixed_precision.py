@@ -2,22 +2,22 @@
 
 Two tables:
 1. ``mixed_precision_accumulation``: 0.01 added 1000 times with the accumulator and the addend in
-   fp32 / fp16 (/ bf16) combinations; the exact answer is 10.
+   fp32 / fp16 / bf16 combinations; the exact answer is 10.
 2. ``mixed_precision_autocast``: the dtype of every tensor of interest in a small toy model
-   (Linear → ReLU → LayerNorm → Linear) and in a tiny TransformerLM under fp16 autocast (bf16 where
-   the device's autocast has no fp16), from parameters through loss to gradients.
+   (Linear → ReLU → LayerNorm → Linear) and in a tiny TransformerLM under fp16 autocast, from
+   parameters through loss to gradients.
 """
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm_systems.bench.report import add_out_dir_arg, write_results
+from lm_systems.bench.device import add_device_arg
+from lm_systems.bench.report import argument_parser, write_results
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
 
@@ -80,39 +80,21 @@ class ToyModel(nn.Module):
         return self.fc2(self.ln(self.relu(self.fc1(x))))
 
 
-def autocast_dtype(device: torch.device) -> tuple[torch.dtype, str]:
-    """fp16 if this device's autocast runs a Linear in fp16, else bf16; with a note saying which and why."""
-    probe = nn.Linear(4, 4).to(device)
+def dtype_rows(model_name: str, model: nn.Module, watched: dict[str, nn.Module],
+               step: Callable[[], tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> list[dict]:
+    """Dtypes of the parameters, the ``watched`` modules' outputs, the output, loss and gradients of one
+    fp16-autocast ``step`` (returning output and loss)."""
+    seen: dict[str, str] = {}
+    hooks = [module.register_forward_hook(lambda _m, _i, out, name=name: seen.update({name: _name(out.dtype)}))
+             for name, module in watched.items()]  # a hook returning None leaves the output as it is
     with torch.autocast(device.type, dtype=torch.float16):
-        if probe(torch.randn(2, 4, device=device)).dtype == torch.float16:
-            return torch.float16, f"fp16 autocast on {device.type}"
-    return torch.bfloat16, f"bf16 autocast: {device.type} autocast has no fp16, so bf16 stands in for it"
-
-
-def _record_outputs(modules: dict[str, nn.Module]) -> tuple[dict[str, torch.dtype], list]:
-    """Forward hooks noting each module's output dtype (a hook that returned a value would replace the output)."""
-    seen: dict[str, torch.dtype] = {}
-
-    def recorder(name: str):
-        def hook(_module, _inputs, output) -> None:
-            seen[name] = output.dtype
-
-        return hook
-
-    return seen, [module.register_forward_hook(recorder(name)) for name, module in modules.items()]
-
-
-def _dtype_rows(model_name: str, model: nn.Module, watched: dict[str, nn.Module], forward, dtype, device) -> list[dict]:
-    """Dtypes of parameters, watched module outputs, output, loss and gradients of one autocast step."""
-    seen, hooks = _record_outputs(watched)
-    with torch.autocast(device.type, dtype=dtype):
-        output, loss = forward()
+        output, loss = step()
     loss.backward()
     for hook in hooks:
         hook.remove()
     tensors = {
         "parameters": {_name(p.dtype) for p in model.parameters()},
-        **{f"{name} output": {_name(d)} for name, d in seen.items()},
+        **{f"{name} output": {dtype} for name, dtype in seen.items()},
         "model output (logits)": {_name(output.dtype)},
         "loss": {_name(loss.dtype)},
         "gradients": {_name(p.grad.dtype) for p in model.parameters()},
@@ -120,8 +102,7 @@ def _dtype_rows(model_name: str, model: nn.Module, watched: dict[str, nn.Module]
     return [{"model": model_name, "tensor": name, "dtype": ", ".join(sorted(d))} for name, d in tensors.items()]
 
 
-def autocast_rows(device: torch.device) -> tuple[list[dict], str]:
-    dtype, note = autocast_dtype(device)
+def autocast_rows(device: torch.device) -> list[dict]:
     toy = ToyModel(32, 5).to(device)
     x, y = torch.randn(8, 32, device=device), torch.randint(0, 5, (8,), device=device)
 
@@ -129,9 +110,8 @@ def autocast_rows(device: torch.device) -> tuple[list[dict], str]:
         logits = toy(x)
         return logits, F.cross_entropy(logits, y)
 
-    rows = _dtype_rows("ToyModel", toy, {"fc1": toy.fc1, "relu": toy.relu, "ln": toy.ln}, toy_step, dtype, device)
-
-    lm = TransformerLM(ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)).to(device)
+    config = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+    lm = TransformerLM(config).to(device)
     tokens = torch.randint(0, 50, (2, 17), device=device)
 
     def lm_step():
@@ -139,24 +119,16 @@ def autocast_rows(device: torch.device) -> tuple[list[dict], str]:
         return logits, F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
     block = lm.blocks[0]
-    watched = {
-        "embedding": lm.embedding, "RMSNorm": block.attn_norm, "attention": block.attn,
-        "SwiGLU": block.ffn, "block (residual stream)": block,
-    }
-    rows += _dtype_rows("TransformerLM", lm, watched, lm_step, dtype, device)
-    return rows, note
+    lm_watched = {"embedding": lm.embedding, "RMSNorm": block.attn_norm, "attention": block.attn,
+                  "SwiGLU": block.ffn, "block (residual stream)": block}
+    return (dtype_rows("ToyModel", toy, {"fc1": toy.fc1, "relu": toy.relu, "ln": toy.ln}, toy_step, device)
+            + dtype_rows("TransformerLM", lm, lm_watched, lm_step, device))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lm_systems.bench.mixed_precision", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add_out_dir_arg(parser)
+    parser = argument_parser(__doc__)
+    add_device_arg(parser)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but no CUDA device is visible: pass --device cpu")
-
     write_results(
         "mixed_precision_accumulation", accumulation_rows(),
         title="Accumulating 0.01 a thousand times (exact: 10)",
@@ -165,9 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         "(IEEE rounding is the same on every device).",
         out_dir=args.out_dir,
     )
-    rows, note = autocast_rows(device)
+    note = f"fp16 autocast on {args.device.type}"
     write_results(
-        "mixed_precision_autocast", rows, title=f"Dtypes under {note}",
+        "mixed_precision_autocast", autocast_rows(args.device), title=f"Dtypes under {note}",
         notes=f"{note}. Output dtypes recorded with forward hooks during one autocast forward; the loss "
         "and backward follow it. Autocast casts matmul inputs; it leaves parameters and gradients in fp32.",
         out_dir=args.out_dir,

@@ -2,38 +2,37 @@
 
 Plain PyTorch (no Trainer) so every synchronisation is ours. For each model size × context length
 × mode × precision × warm-up count: ``warmup`` untimed steps, then ``steps`` steps each timed
-between two ``torch.cuda.synchronize()`` calls, on random tokens. Reports mean ± std per step,
-tokens/s, MFU (peaks from ``lm_systems.hardware``), peak allocated memory and the size of one
-residual-stream activation. A configuration that runs out of GPU memory is a row marked OOM.
+between two device synchronisations, on random tokens. Reports mean ± std per step, tokens/s, MFU
+(peaks from ``lm_systems.hardware``), peak allocated memory and the size of one residual-stream
+activation. One model per size and attention serves all of its cases; a configuration that runs out
+of GPU memory is a row marked OOM.
 
     python -m lm_systems.bench.model                                  # all sizes × ctx 128..1024
-    python -m lm_systems.bench.model --sizes small --warmup-steps 0 1 2 5 --isolate --name model_warmup
     python -m lm_systems.bench.model --sizes 2.7b --context-lengths 128 256 512 --modes forward train_step
+    python -m lm_systems.bench.model --sizes small --context-lengths 512 --warmup-steps 0 1 2 5 --isolate
     python -m lm_systems.bench.model --sizes tiny --device cpu --steps 2   # a quick CPU check
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import statistics
-import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from lm_systems.attention import attention_names, resolve_attention_name
-from lm_systems.bench.device import free_memory, reset_peak_memory, synchronize
-from lm_systems.bench.report import add_out_dir_arg, write_results
+from lm_systems.bench.device import add_device_arg, free_memory, peak_memory_gib, reset_peak_memory, timed
+from lm_systems.bench.report import argument_parser, line_plot, write_results
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.hardware import peak_flops
 from lm_systems.model import TransformerLM
-from lm_systems.nvtx import nvtx_range, set_nvtx_enabled
 
 MODES = ("forward", "forward_backward", "train_step")
 """forward: inference (no autograd graph); forward_backward: + loss.backward(); train_step: + AdamW step."""
@@ -46,7 +45,6 @@ COLUMNS = (
     "size", "params_M", "context", "mode", "precision", "attention", "compile", "warmup", "status",
     "mean_ms", "std_ms", "max_ms", "tokens_per_s", "mfu", "peak_mem_GiB", "residual_MiB",
 )
-_GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -78,61 +76,34 @@ def residual_bytes(case: Case) -> int:
     The residual stream is fp32 under bf16 autocast too: autocast casts matmul outputs to bf16, but
     ``x + attn(x)`` with an fp32 ``x`` promotes back to fp32.
     """
-    d_model = MODEL_SIZES[case.size].d_model
-    return case.batch_size * case.context * d_model * torch.finfo(torch.float32).bits // 8
+    return case.batch_size * case.context * MODEL_SIZES[case.size].d_model * 4
 
 
 def _run_step(model, optimizer, tokens: torch.Tensor, case: Case) -> None:
-    autocast = (
-        torch.autocast(tokens.device.type, dtype=torch.bfloat16) if case.precision == "bf16" else nullcontext()
-    )
-    grad = torch.no_grad() if case.mode == "forward" else nullcontext()
-    with grad, nvtx_range("forward"), autocast:
+    autocast = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if case.precision == "bf16" else nullcontext()
+    with torch.no_grad() if case.mode == "forward" else nullcontext(), autocast:
         logits = model(tokens[:, :-1])  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
     if case.mode == "forward":
         return
-    with nvtx_range("backward"):
-        loss.backward()
+    loss.backward()
     if case.mode == "train_step":
-        with nvtx_range("optimizer_step"):
-            optimizer.step()
+        optimizer.step()
     model.zero_grad(set_to_none=True)
 
 
-def measure(model, case: Case, device: torch.device, snapshot_dir: Path | None = None) -> dict:
+def measure(model, case: Case, device: torch.device) -> dict:
     """Time ``case.steps`` steps of ``model`` after ``case.warmup`` untimed ones; one row of results."""
     generator = torch.Generator(device).manual_seed(0)
     tokens = torch.randint(0, case.vocab_size, (case.batch_size, case.context + 1), device=device, generator=generator)
     # Fused AdamW on the GPU, as LitLM trains: foreach would add a parameter-sized temporary to the peak.
-    optimizer = (
-        torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda") if case.mode == "train_step" else None
-    )
+    optimizer = None
+    if case.mode == "train_step":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     reset_peak_memory(device)
-    try:
-        with nvtx_range("warmup"):
-            for _ in range(case.warmup):
-                _run_step(model, optimizer, tokens, case)
-        synchronize(device)
-        if snapshot_dir is not None:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-        times = []
-        with nvtx_range("timed"):
-            for i in range(case.steps):
-                with nvtx_range(f"step_{i}"):
-                    start = time.perf_counter()
-                    _run_step(model, optimizer, tokens, case)
-                    synchronize(device)
-                    times.append(time.perf_counter() - start)
-        if snapshot_dir is not None:
-            path = snapshot_dir / f"memory_snapshot_{case.size}_ctx{case.context}_{case.mode}_{case.precision}.pickle"
-            torch.cuda.memory._dump_snapshot(str(path))
-            print(f"wrote {path} (open at https://pytorch.org/memory_viz)")
-    finally:
-        if snapshot_dir is not None:
-            torch.cuda.memory._record_memory_history(enabled=None)
-        model.zero_grad(set_to_none=True)
-        del optimizer
+    for _ in range(case.warmup):
+        _run_step(model, optimizer, tokens, case)
+    times = [timed(lambda: _run_step(model, optimizer, tokens, case), device) for _ in range(case.steps)]
     mean = statistics.fmean(times)
     tokens_per_step = case.batch_size * case.context
     flops = model.flops_per_token(case.context) * tokens_per_step * FLOP_SHARE[case.mode]
@@ -144,134 +115,67 @@ def measure(model, case: Case, device: torch.device, snapshot_dir: Path | None =
         "max_ms": max(times) * 1e3,
         "tokens_per_s": tokens_per_step / mean,
         "mfu": flops / mean / peak if peak else "",
-        "peak_mem_GiB": torch.cuda.max_memory_allocated(device) / _GIB if device.type == "cuda" else "",
+        "peak_mem_GiB": peak_memory_gib(device) if device.type == "cuda" else "",
     }
 
 
-def _row(case: Case, model: TransformerLM | None, result: dict, device: torch.device) -> dict:
-    params = model.num_parameters() / 1e6 if model is not None else ""
-    attention = resolve_attention_name(case.attention, device)
-    return {
-        **asdict(case), "attention": attention, "params_M": params,
-        "residual_MiB": residual_bytes(case) / 2**20, **result,
-    }
-
-
-def _measure_recording_failures(model, case: Case, device: torch.device, snapshot_dir: Path | None) -> dict:
+def _measure_recording_failures(model, case: Case, device: torch.device) -> dict:
+    if model is None:
+        return {"status": "OOM"}
     try:
-        result = measure(model, case, device, snapshot_dir)
+        result = measure(model, case, device)
     except torch.cuda.OutOfMemoryError:
         result = {"status": "OOM"}
     except Exception as error:  # one broken configuration (say, a kernel's compile error) must not end the sweep
         traceback.print_exc()
         result = {"status": f"error: {type(error).__name__}"}
     # Outside the except blocks, so the traceback's frames (and the tensors they hold) are gone.
+    model.zero_grad(set_to_none=True)
     free_memory(device)
     return result
 
 
-def run_in_fresh_process(case: Case, device_name: str, nvtx: bool, snapshot_dir: Path | None) -> dict:
-    """Build and measure ``case`` in this (new) process: its one-time costs land in its own numbers."""
-    device = torch.device(device_name)
-    set_nvtx_enabled(nvtx)
-    try:
-        model = build_model(case.size, case.context, case.attention, case.vocab_size, device)
-    except torch.cuda.OutOfMemoryError:
-        return _row(case, None, {"status": "OOM"}, device)
-    if case.compile:
-        model = torch.compile(model)
-    return _row(case, model, _measure_recording_failures(model, case, device, snapshot_dir), device)
-
-
-def run_cases(cases: list[Case], device: torch.device, isolate: bool, nvtx: bool, snapshot_dir: Path | None) -> list[dict]:
-    """Measure every case; cases of one size and attention share one model unless ``isolate``."""
+def run_cases(args: argparse.Namespace) -> list[dict]:
+    """Every combination; one model per size and attention, built for the longest context."""
     rows = []
-    if isolate:
-        spawn = multiprocessing.get_context("spawn")
-        for case in cases:
-            with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-                rows.append(pool.submit(run_in_fresh_process, case, str(device), nvtx, snapshot_dir).result())
-            _print_row(rows[-1])
-        return rows
-    set_nvtx_enabled(nvtx)
-    built: tuple[str, str, bool] | None = None
-    model = None
-    for case in cases:
-        key = (case.size, case.attention, case.compile)
-        if key != built:
-            model, built = None, key
-            free_memory(device)
-            context = max(c.context for c in cases if (c.size, c.attention, c.compile) == key)
-            try:
-                model = build_model(case.size, context, case.attention, case.vocab_size, device)
-            except torch.cuda.OutOfMemoryError:
-                model = None
-                free_memory(device)
-            if model is not None and case.compile:
-                model = torch.compile(model)
-        result = _measure_recording_failures(model, case, device, snapshot_dir) if model is not None else {"status": "OOM"}
-        rows.append(_row(case, model, result, device))
-        _print_row(rows[-1])
+    for size, attention in itertools.product(args.sizes, args.attention):
+        free_memory(args.device)
+        try:
+            model = build_model(size, max(args.context_lengths), attention, args.vocab_size, args.device)
+        except torch.cuda.OutOfMemoryError:
+            model = None
+        if model is not None and args.compile:
+            model = torch.compile(model)
+        for context, precision, mode, warmup in itertools.product(args.context_lengths, args.precisions, args.modes,
+                                                                  args.warmup_steps):
+            case = Case(size, context, mode, precision, attention, args.compile, warmup, args.steps, args.batch_size,
+                        args.vocab_size)
+            rows.append({
+                **asdict(case), "attention": resolve_attention_name(attention, args.device),
+                "params_M": model.num_parameters() / 1e6 if model is not None else "",
+                "residual_MiB": residual_bytes(case) / 2**20,
+                **_measure_recording_failures(model, case, args.device),
+            })
+            timing = f"{rows[-1]['mean_ms']:9.2f} ms" if rows[-1]["status"] == "ok" else rows[-1]["status"]
+            print(f"{size} ctx {context} {mode} {precision} {attention} warmup {warmup}: {timing}", flush=True)
+        model = None
     return rows
 
 
-def _print_row(row: dict) -> None:
-    timing = f"{row['mean_ms']:9.2f} ± {row['std_ms']:6.2f} ms" if row["status"] == "ok" else row["status"]
-    print(
-        f"{row['size']:>6} ctx {row['context']:>5} {row['mode']:>16} {row['precision']} {row['attention']}"
-        f" warmup {row['warmup']}: {timing}",
-        flush=True,
-    )
-
-
-def plot_step_times(rows: list[dict], path: Path) -> None:
-    """Mean ± std step time against the first setting that varies (context, warm-up or size).
-
-    One panel per mode × precision, one line per remaining setting that varies (size, attention, ...).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def varying(keys):
-        return [k for k in keys if len({r[k] for r in rows}) > 1]
-
-    measured = [r for r in rows if r["status"] == "ok"]
-    x_key = (varying(("context", "warmup", "size")) or ["size"])[0]
-    panel_keys = varying(("mode", "precision"))
-    series_keys = [k for k in varying(("size", "attention", "compile", "warmup")) if k != x_key]
-    panels = list(dict.fromkeys(tuple(r[k] for k in panel_keys) for r in rows))
-    columns = min(len(panels), 2)
-    fig, axes = plt.subplots(
-        (len(panels) + 1) // 2, columns, figsize=(6 * columns, 4 * ((len(panels) + 1) // 2)), squeeze=False
-    )
-    for ax, panel in zip(axes.flat, panels):
-        in_panel = [r for r in measured if tuple(r[k] for k in panel_keys) == panel]
-        for label in dict.fromkeys(tuple(r[k] for k in series_keys) for r in in_panel):
-            points = [r for r in in_panel if tuple(r[k] for k in series_keys) == label]
-            ax.errorbar(
-                [str(r[x_key]) for r in points], [r["mean_ms"] for r in points], yerr=[r["std_ms"] for r in points],
-                marker="o", capsize=3, label=" ".join(map(str, label)) or None,
-            )
-        ax.set_title(" ".join(map(str, panel)) or "step time")
-        ax.set_yscale("log")
-        ax.set_xlabel(x_key)
-        ax.set_ylabel("ms per step (mean ± std)")
-        ax.grid(True, which="both", alpha=0.3)
-        if series_keys:
-            ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def run_isolated(args: argparse.Namespace) -> list[dict]:
+    """Every combination in a fresh process, so that one-time costs (CUDA context, cuBLAS handles, kernel
+    loading) fall in its own first steps."""
+    swept = ("sizes", "attention", "context_lengths", "precisions", "modes", "warmup_steps")  # run_cases' order
+    rows = []
+    for values in itertools.product(*(getattr(args, name) for name in swept)):
+        one = argparse.Namespace(**{**vars(args), **{name: [value] for name, value in zip(swept, values)}})
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows += pool.submit(run_cases, one).result()
+    return rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m lm_systems.bench.model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--sizes", nargs="+", default=list(CS336_SIZES), choices=list(MODEL_SIZES))
     parser.add_argument("--context-lengths", nargs="+", type=int, default=[128, 256, 512, 1024])
     parser.add_argument("--modes", nargs="+", default=["forward", "forward_backward"], choices=MODES)
@@ -283,45 +187,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=10_000)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (compiling happens in warm-up)")
-    parser.add_argument("--isolate", action="store_true",
-                        help="measure each configuration in a fresh process (CUDA context, cuBLAS handles and "
-                             "kernel loading then fall in the first steps of every configuration)")
-    parser.add_argument("--nvtx", action="store_true", help="emit NVTX ranges (for nsys profile -t cuda,nvtx)")
-    parser.add_argument("--memory-snapshot", type=Path, default=None, metavar="DIR",
-                        help="record allocations over the timed steps; one pickle per configuration in DIR")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--isolate", action="store_true", help="measure each configuration in a fresh process")
+    add_device_arg(parser)
     parser.add_argument("--name", default="model_benchmark", help="results file stem under --out-dir")
-    add_out_dir_arg(parser)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or min(args.warmup_steps) < 0 or min(args.context_lengths) < 1:
         parser.error("--steps and --batch-size must be >= 1, --warmup-steps >= 0, --context-lengths >= 1")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but no CUDA device is visible: pass --device cpu")
-    if args.memory_snapshot is not None and torch.device(args.device).type != "cuda":
-        parser.error("--memory-snapshot records the CUDA allocator: it needs --device cuda")
     return args
-
-
-def cases_from_args(args: argparse.Namespace) -> list[Case]:
-    """Every combination; sizes outermost so one model serves all of its cases."""
-    return [
-        Case(size, context, mode, precision, attention, args.compile, warmup, args.steps, args.batch_size, args.vocab_size)
-        for size in args.sizes
-        for attention in args.attention
-        for context in args.context_lengths
-        for precision in args.precisions
-        for mode in args.modes
-        for warmup in args.warmup_steps
-    ]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if args.memory_snapshot is not None:
-        args.memory_snapshot.mkdir(parents=True, exist_ok=True)
-    cases = cases_from_args(args)
-    rows = run_cases(cases, device, args.isolate, args.nvtx, args.memory_snapshot)
+    rows = run_isolated(args) if args.isolate else run_cases(args)
     notes = (
         f"Batch {args.batch_size}, vocab {args.vocab_size}, random tokens; {args.steps} timed steps after the "
         "stated warm-up, each between two device synchronisations; mean ± std over the timed steps, "
@@ -332,10 +209,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         + ("Each configuration ran in a fresh process. " if args.isolate else "")
         + ("Compiled with torch.compile. " if args.compile else "")
     )
-    write_results(
-        args.name, rows, title=f"TransformerLM step time ({args.name})", notes=notes,
-        columns=COLUMNS, plot=lambda path: plot_step_times(rows, path), out_dir=args.out_dir,
-    )
+    varying = [k for k in ("context", "warmup", "size", "mode", "precision", "attention")
+               if len({r[k] for r in rows}) > 1]
+    x = next((k for k in varying if k in ("context", "warmup", "size")), "size")
+    plot = line_plot(rows, x, "mean_ms", series=[k for k in varying if k in ("size", "attention", "warmup") and k != x],
+                     panels=[k for k in varying if k in ("mode", "precision")], title=f"step time ({args.name})",
+                     yerr="std_ms", log="y")
+    write_results(args.name, rows, title=f"TransformerLM step time ({args.name})", notes=notes, columns=COLUMNS,
+                  plot=plot, out_dir=args.out_dir)
     return rows
 
 

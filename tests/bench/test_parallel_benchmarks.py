@@ -5,14 +5,14 @@ import csv
 
 import pytest
 
-from lm_systems.bench import comm, ddp, ddp_paired
+from lm_systems.bench import comm, ddp
 from lm_systems.bench.ddp_variants import Variant
 
 TINY = ["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device", "cpu",
         "--nproc", "2"]
-DDP_VARIANTS = ["single", "torch_ddp", "bucketed_1", "zero1", "bucketed_1+hp+bf16", "bucketed_1+thread"]
-PAIRS = [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+bf16"), ("zero1", "zero1+thread+stages4"),
-         ("single", "no_comm")]
+DDP_VARIANTS = ["single", "torch_ddp", "bucketed_1", "zero1", "bucketed_1+hp", "bucketed_1+thread", "naive", "overlap"]
+PAIRS = [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+hp"), ("zero1", "zero1+thread+stages4"),
+         ("single", "overlap+thread")]
 
 
 def test_bus_bandwidth_at_four_ranks():
@@ -33,19 +33,10 @@ def test_comm_bench_reports_bandwidths(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {f"comm_gloo_2proc.{ext}" for ext in ("csv", "md", "png")}
 
 
-def test_comm_bench_all_reduces_in_chunks(tmp_path):
-    rows = comm.main(["--backend", "gloo", "--nproc", "2", "--sizes-mb", "0.1", "--chunk-mb", "0.03", "--iters", "2",
-                      "--warmup", "1", "--out-dir", str(tmp_path)])
-    assert [(r["size_mb"], r["chunk_mb"]) for r in rows] == [(0.1, 0.03)] and rows[0]["time_ms"] > 0
-
-
-@pytest.mark.parametrize("bad, said", [(["--ops", "copy_engine"], "gloo has neither avg nor copy_engine"),
-                                       (["--ops", "avg"], "gloo has neither avg nor copy_engine"),
-                                       (["--chunk-mb", "0"], "--chunk-mb must be positive")])
-def test_comm_bench_names_bad_options(bad, said, capsys):
+def test_comm_bench_names_a_bad_process_count(capsys):
     with pytest.raises(SystemExit):
-        comm.parse_args(["--backend", "gloo", *bad])
-    assert said in capsys.readouterr().err
+        comm.parse_args(["--backend", "gloo", "--nproc", "1"])
+    assert "--nproc must be at least 2" in capsys.readouterr().err
 
 
 def test_summary_takes_ratios_within_each_round():
@@ -93,10 +84,9 @@ def test_ddp_bench_times_the_phases_of_a_step(ddp_run):
 
 @pytest.mark.parametrize("bad, said", [
     ("bucketed_x", "unknown variant 'bucketed_x'"), ("torch_ddp+fast", "unknown option 'fast'"),
-    ("single+bf16", "takes no communication options"), ("torch_ddp+thread", "not 'torch_ddp'"),
-    ("bucketed_25+stages2", "not 'bucketed_25'"), ("zero1+stages0", "unknown option 'stages0'"),
-    ("no_comm+hp", "takes no communication options"), ("torch_ddp+ce", "not 'torch_ddp'"),
-    ("bucketed_25+ctas", "unknown option 'ctas'")])
+    ("single+hp", "takes no communication options"), ("torch_ddp+thread", "not 'torch_ddp'"),
+    ("naive+thread", "not 'naive'"), ("bucketed_25+stages2", "not 'bucketed_25'"),
+    ("zero1+stages0", "unknown option 'stages0'"), ("bucketed_25+ctas", "unknown option 'ctas'")])
 def test_ddp_bench_names_a_bad_variant_or_option(bad, said, capsys):
     with pytest.raises(SystemExit):
         ddp.parse_args(["--device", "cpu", "--variants", bad])
@@ -106,20 +96,18 @@ def test_ddp_bench_names_a_bad_variant_or_option(bad, said, capsys):
 
 
 def test_variant_options_parse():
-    assert Variant.parse("bucketed_25+ctas8+bf16") == Variant("bucketed_25", True, 8, True)
-    assert Variant.parse("torch_ddp+hp").group_key == (True, None)
-    assert Variant.parse("torch_ddp").group_key is None
-    assert Variant.parse("bucketed_25+thread").launch_thread
+    assert Variant.parse("bucketed_25+hp+thread") == Variant("bucketed_25", True, True)
+    assert Variant.parse("torch_ddp+hp").high_priority
+    assert not Variant.parse("torch_ddp").high_priority
+    assert Variant.parse("bucketed_25+thread").launch_thread and Variant.parse("overlap+thread").launch_thread
     assert Variant.parse("zero1+thread+stages1").exchange_stages == 1
     assert Variant.parse("zero1").exchange_stages is None
-    assert Variant.parse("bucketed_25+thread+ce").copy_engine and Variant.parse("zero1+ce").copy_engine
-    assert not Variant.parse("bucketed_25").copy_engine
 
 
 @pytest.fixture(scope="module")
 def paired_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("paired")
-    rows = ddp_paired.main([*TINY, "--warmup", "1", "--iterations", "3", "--steps-per-turn", "2",
+    rows = ddp.main([*TINY, "--warmup", "1", "--iterations", "3", "--steps-per-turn", "2",
                             "--pairs", ",".join(f"{a}:{b}" for a, b in PAIRS), "--out-dir", str(out)])
     return rows, out
 
@@ -134,7 +122,7 @@ def test_paired_bench_alternates_variants_and_reports_ratios(paired_run):
 
 
 def test_pair_row_takes_the_median_of_per_iteration_ratios():
-    row = ddp_paired.pair_row(("a", "b"), ([0.1, 0.2, 0.1], [0.12, 0.2, 0.15]))
+    row = ddp.pair_row(("a", "b"), ([0.1, 0.2, 0.1], [0.12, 0.2, 0.15]))
     assert row["B_over_A"] == pytest.approx(1.2)  # ratios 1.2, 1.0, 1.5
     assert row["A_ms"] == pytest.approx(100.0) and row["B_ms"] == pytest.approx(150.0)
 
@@ -142,37 +130,25 @@ def test_pair_row_takes_the_median_of_per_iteration_ratios():
 @pytest.mark.parametrize("argv, said", [
     (["--pairs", "torch_ddp"], "a pair is A:B, got 'torch_ddp'"),
     (["--pairs", "torch_ddp:bucketed_x"], "unknown variant 'bucketed_x'"),
-    (["--attention", "fastest"], "unknown --attention 'fastest'"),
+    (["--attention", "fastest"], "--attention: invalid choice: 'fastest'"),
+    (["--pairs", "single:zero1", "--variants", "zero1"], "not allowed with argument --pairs"),
     (["--steps-per-turn", "0"], "--steps-per-turn must be at least 1, got 0")])
 def test_paired_bench_names_a_bad_pair(argv, said, capsys):
     with pytest.raises(SystemExit):
-        ddp_paired.parse_args(["--device", "cpu", *argv])
+        ddp.parse_args(["--device", "cpu", *argv])
     assert said in capsys.readouterr().err
 
 
-def test_paired_bench_defaults_to_sdpa_attention():
-    assert ddp_paired.parse_args(["--device", "cpu"]).attention == "sdpa"  # as bench.ddp's
+def test_ddp_bench_defaults_to_sdpa_attention_and_every_strategy():
+    args = ddp.parse_args(["--device", "cpu"])
+    assert args.attention == "sdpa" and args.pairs is None and args.nproc == 2
+    assert {Variant.parse(v).base for v in args.variants} >= {"single", "torch_ddp", "naive", "overlap", "zero1"}
 
 
-def test_compile_flag_takes_an_optional_mode_that_names_the_results(capsys):
-    eager = ddp.parse_args(["--device", "cpu"])
-    default = ddp.parse_args(["--device", "cpu", "--compile"])
-    graphs = ddp.parse_args(["--device", "cpu", "--compile", "reduce-overhead"])
-    assert (eager.compile, default.compile, graphs.compile) == (None, "default", "reduce-overhead")
-    assert [ddp.run_label(a) for a in (eager, default, graphs)] == ["xl_2cpu", "xl_2cpu_compiled",
-                                                                     "xl_2cpu_compiled_reduce_overhead"]
-    assert "(mode reduce-overhead)" in ddp.setup_description(graphs)
-    with pytest.raises(SystemExit):
-        ddp.parse_args(["--device", "cpu", "--compile", "fastest"])
-    assert "invalid choice: 'fastest'" in capsys.readouterr().err
-
-
-def test_reduce_overhead_runs_visit_after_visit(tmp_path):
-    # Every visit after the first drops the compiled code (its CUDA graph pools would otherwise pile up on a
-    # GPU) and compiles afresh; on the CPU there are no graphs, but the reset and recompiles run the same way.
+def test_rounds_interleave_the_variants(tmp_path):
     rows = ddp.main([*TINY, "--steps", "1", "--warmup", "1", "--instrumented-steps", "0", "--rounds", "2",
-                     "--variants", "single,bucketed_1", "--compile", "reduce-overhead", "--out-dir", str(tmp_path)])
+                     "--variants", "single,bucketed_1", "--out-dir", str(tmp_path)])
     assert [(r["round"], r["variant"]) for r in rows] == [(0, "single"), (0, "bucketed_1"), (1, "single"),
                                                           (1, "bucketed_1")]
     assert all(r["replicas_equal"] and r["step_ms"] > 0 for r in rows)
-    assert (tmp_path / "ddp_tiny_2cpu_compiled_reduce_overhead.csv").exists()
+    assert (tmp_path / "ddp_tiny_2cpu.csv").exists()

@@ -1,0 +1,47 @@
+"""The attention bench: its FLOP count against a counted causal mask, and (on a GPU) its sweeps at tiny sizes."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from lm_systems.bench import attention as bench
+
+
+@pytest.mark.parametrize("n_q, n_k", [(1, 1), (4, 4), (3, 7), (16, 64), (13, 13)])
+def test_flops_count_the_pairs_an_end_aligned_causal_mask_keeps(n_q, n_k):
+    kept = int(torch.ones(n_q, n_k).tril(diagonal=n_k - n_q).sum())  # query i sees keys j <= i + n_k - n_q
+    flops = bench.attention_flops(batch_heads=3, n_q=n_q, n_k=n_k, d=8)
+    assert flops["fwd"] == 4 * 8 * kept * 3  # QKᵀ and PV: 2·d multiply-adds each per kept pair
+    assert flops["bwd"] == 2.5 * flops["fwd"] and flops["fwd+bwd"] == 3.5 * flops["fwd"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_without_a_gpu_the_bench_says_so():
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        bench.main(["--mode", "flash"])
+
+
+def _rows(path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.gpu
+def test_gpu_pytorch_and_flash_sweeps_at_tiny_sizes(tmp_path):
+    bench.main(["--mode", "pytorch", "--pytorch-seq-lens", "64", "128", "--pytorch-head-dims", "16", "--repeats", "3",
+                "--out-dir", str(tmp_path)])
+    naive = _rows(tmp_path / "attention_pytorch_sweep.csv")
+    assert [(r["d"], r["N"]) for r in naive] == [("16", "64"), ("16", "128")]
+    assert all(float(r["fwd_ms"]) > 0 and float(r["mem_before_bwd_MiB"]) > 0 for r in naive)
+    bench.main(["--mode", "flash", "--flash-seq-lens", "128", "--flash-head-dims", "16", "--flash-dtypes", "fp32",
+                "--rep-ms", "5", "--out-dir", str(tmp_path)])
+    rows = _rows(tmp_path / "attention_flash_sweep.csv")
+    assert [(r["impl"], r["N_q"]) for r in rows] == [(i, n) for n in ("128", "32") for i in bench.FLASH_IMPLS]
+    for row in rows:
+        if row["fwd+bwd_TFLOPs"]:
+            flops = bench.attention_flops(1, int(row["N_q"]), 128, 16)["fwd+bwd"]
+            assert float(row["fwd+bwd_TFLOPs"]) == pytest.approx(flops / float(row["fwd+bwd_ms"]) / 1e9)
+    assert (tmp_path / "attention_flash_sweep.png").exists() and (tmp_path / "attention_pytorch_sweep.png").exists()
