@@ -23,11 +23,11 @@ from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.config import ModelConfig
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.generate import require_checkpoint_file
+from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
 from lm_systems.nonfinite import NonFiniteTrainingError
 from lm_systems.run_logger import run_version_of
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 SHORT_FLAGS: dict[str, tuple[type, str]] = {
     "strategy": (Optional[str], "ddp, naive_ddp, overlap_ddp, bucketed_ddp, zero1, zero3 (each also *_spawn), auto, …"),

@@ -1,6 +1,7 @@
 """train.py's command line: help, short flags, a short run with TensorBoard and checkpoints, every shipped
 config, the configured callbacks, every strategy on two CPU processes, and errors that name the flag."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,10 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_help_lists_the_short_flags():
-    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], capture_output=True, text=True, cwd=REPO, check=True).stdout
+def test_help_lists_the_short_flags(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the help cache (lm_systems.help_cache) stays in tmp
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], capture_output=True, text=True, cwd=REPO,
+                         env=env, check=True).stdout
     for flag in ("--strategy", "--precision", "--devices", "--max_steps", "--checkpointing_interval", "--model.size", "--data.corpus", "--ckpt_path"):
         assert flag in out
 
