@@ -11,8 +11,8 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.T
 _REGISTRY: dict[str, AttentionFn] = {}
 
 # Preference order for ``auto``: the first registered name that exists is taken. On CUDA, sdpa: inside the
-# xl training step at contexts 512 and 2048, eager and compiled, it was faster than flash_triton, whose
-# launches cost more host time than sdpa's (benchmarks/results/train_step.md).
+# training step it measured as fast as flash_triton or faster at every model shape benchmarked, contexts 512
+# to 2048 (benchmarks/results/train_step.md).
 _AUTO_ON_CUDA = ("sdpa",)
 _AUTO_ON_CPU = ("sdpa",)
 
