@@ -20,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Sequence
 
+from lm_systems.data.cache_files import atomic_write_path
+
 HELP_FLAGS = ("--help", "-h")
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # What builds the parser: its classes' signatures and docstrings, and the libraries that render them.
@@ -83,9 +85,7 @@ def run_with_help_cache(args: Sequence[str], main: Callable[[], object]) -> None
 def _store(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically; a cache that cannot be written is only a slower next ``--help``."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)
+        with atomic_write_path(path) as partial:
+            partial.write_text(text, encoding="utf-8")
     except OSError:
         pass
