@@ -14,11 +14,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lm_systems.data.cache_files import atomic_write_path
-
-DIVERGENCE_ADVICE = (
-    "lower --model.lr, clip gradients with --trainer.gradient_clip_val (e.g. 1.0), "
-    "or train in bf16-mixed rather than 16-mixed"
-)
+from lm_systems.nonfinite import divergence_advice
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -27,7 +23,7 @@ class NonFiniteWeightsError(RuntimeError):
     def __init__(self, step: Optional[int], path: _PATH) -> None:
         super().__init__(
             f"the weights are not finite (NaN or inf) at step {step}: {str(path)!r} was not written and the "
-            f"previous checkpoints (last.ckpt included) are kept. Training diverged: {DIVERGENCE_ADVICE}"
+            f"previous checkpoints (last.ckpt included) are kept. Training diverged: {divergence_advice()}"
         )
 
 

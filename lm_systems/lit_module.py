@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 from lm_systems.attention import resolve_attention_name
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
-from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy
+from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy, divergence_advice
 from lm_systems.optim import adamw_param_groups, make_adamw
 from lm_systems.sampling import sample_text
 from lm_systems.schedule import warmup_cosine
@@ -248,9 +248,7 @@ class LitLM(L.LightningModule):
             self._nonfinite.check(self._nonfinite_advice())  # Lightning reads the logged values now anyway
 
     def _nonfinite_advice(self) -> str:
-        lr = self.hparams.lr
-        return (f"Lower --model.lr (now {lr:g}), keep gradient clipping on (--trainer.gradient_clip_val 1.0), "
-                "and prefer --precision bf16-mixed to 16-mixed")
+        return divergence_advice(self.hparams.lr)
 
     def on_validation_epoch_start(self) -> None:
         # Fresh state in this loop's grad mode: a state made under inference_mode (trainer.validate)

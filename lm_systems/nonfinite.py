@@ -10,6 +10,13 @@ NonFinitePolicy = Literal["stop", "skip"]
 NONFINITE_POLICIES = ("stop", "skip")
 
 
+def divergence_advice(lr: Optional[float] = None) -> str:
+    """What to change after training diverged, naming the flags (and the learning rate in use, when given)."""
+    now = f" (now {lr:g})" if lr is not None else ""
+    return (f"lower --model.lr{now}, keep gradient clipping on (--trainer.gradient_clip_val 1.0), "
+            "and prefer --precision bf16-mixed to 16-mixed")
+
+
 class NonFiniteTrainingError(RuntimeError):
     """Training produced a non-finite loss or gradient norm and was stopped."""
 
@@ -60,10 +67,10 @@ class NonFiniteGuard:
         if self.policy == "stop" and first_bad >= 0:
             raise NonFiniteTrainingError(
                 f"the loss or gradient norm was not finite at optimizer step {first_bad}: training stopped, and no "
-                f"checkpoint of the weights since then was written. {advice} (or pass --model.on_nonfinite skip)"
+                f"checkpoint of the weights since then was written: {advice} (or pass --model.on_nonfinite skip)"
             )
         if self.policy == "skip" and run >= self.max_consecutive_skips:
             raise NonFiniteTrainingError(
                 f"{run} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
-                f"(limit --model.max_consecutive_skips {self.max_consecutive_skips}): training stopped. {advice}"
+                f"(limit --model.max_consecutive_skips {self.max_consecutive_skips}): training stopped: {advice}"
             )

@@ -8,6 +8,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lm_systems.model import TransformerLM
+from lm_systems.nonfinite import divergence_advice
 
 
 @torch.no_grad()
@@ -39,7 +40,7 @@ def sample(
         if not bool(logits.isfinite().all()):
             warnings.warn(
                 f"sampling stopped after {len(new)} tokens: the model's logits are not finite (NaN or inf weights; "
-                "training diverged: lower --model.lr or clip with --trainer.gradient_clip_val)",
+                f"training diverged: {divergence_advice()})",
                 RuntimeWarning,
                 stacklevel=2,
             )
