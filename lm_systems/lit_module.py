@@ -189,8 +189,9 @@ class LitLM(L.LightningModule):
         return loss
 
     def _logs_this_step(self) -> bool:
-        """Whether the optimizer step now running is one Lightning logs (every ``log_every_n_steps``)."""
-        return (self.trainer.global_step + 1) % self.trainer.log_every_n_steps == 0
+        """Whether Lightning logs the optimizer step now running (every ``log_every_n_steps``, and the last);
+        the same answer from ``training_step`` through ``on_train_batch_end``."""
+        return self.trainer._logger_connector.should_update_logs
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
@@ -244,7 +245,7 @@ class LitLM(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        if self.trainer.global_step % self.trainer.log_every_n_steps == 0:  # a logged step just ended
+        if self._logs_this_step():  # a logged step just ended
             self._nonfinite.check(self._nonfinite_advice())  # Lightning reads the logged values now anyway
 
     def _nonfinite_advice(self) -> str:
