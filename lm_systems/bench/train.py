@@ -13,7 +13,7 @@ ratio train.py / plain loop (median of the per-round ratios, with its range).
 
     python -m lm_systems.bench.train                                       # xl: ctx 512 × 4, ctx 2048 × 1
     python -m lm_systems.bench.train --shapes 1024x8 --attention sdpa --compile on
-    python -m lm_systems.bench.train --size tiny --shapes 64x4 --rounds 1 --steps 3 --warmup 2   # CPU check
+    python -m lm_systems.bench.train --size tiny --shapes 64x4 --rounds 1 --steps 3 --warmup 2 --device cpu  # CPU check
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 
-from lm_systems.bench.device import free_memory, peak_memory_gib, reset_peak_memory, synchronize
-from lm_systems.bench.report import add_out_dir_arg, write_results
+from lm_systems.attention import attention_names
+from lm_systems.bench.device import add_device_arg, free_memory, peak_memory_gib, reset_peak_memory, synchronize, timed
+from lm_systems.bench.report import argument_parser, write_results
 from lm_systems.cli import main as train_py
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
@@ -97,9 +98,10 @@ class _StepClock(Callback):
         return Measurement(1e3 * elapsed / self.steps, peak_memory_gib(device))
 
 
-def train_py_args(setup: Setup, max_steps: int, workdir: Path) -> list[str]:
-    """The command line a user would give train.py for ``setup`` (validation off)."""
+def train_py_args(setup: Setup, max_steps: int, workdir: Path, device: torch.device) -> list[str]:
+    """The command line a user would give train.py for ``setup`` on ``device`` (validation off)."""
     return [
+        "--accelerator", "gpu" if device.type == "cuda" else "cpu",
         "--model.size", setup.size, "--model.context_length", str(setup.context),
         "--model.attention", setup.attention, "--model.compile", str(setup.compile).lower(),
         "--model.lr", str(LR), "--model.warmup_steps", str(WARMUP_STEPS), "--model.min_lr_ratio", str(MIN_LR_RATIO),
@@ -113,10 +115,11 @@ def train_py_args(setup: Setup, max_steps: int, workdir: Path) -> list[str]:
     ]
 
 
-def run_train_py(setup: Setup, warmup: int, steps: int, workdir: Path, extra_flags: list[str]) -> Measurement:
+def run_train_py(setup: Setup, warmup: int, steps: int, workdir: Path, device: torch.device,
+                 extra_flags: list[str]) -> Measurement:
     with warnings.catch_warnings():  # that args and the bench's own sys.argv both exist is intended here
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = train_py([*train_py_args(setup, warmup + steps, workdir), *extra_flags], run=False)
+        cli = train_py([*train_py_args(setup, warmup + steps, workdir, device), *extra_flags], run=False)
     trainer = cli.trainer
     clock = _StepClock(warmup, steps)
     trainer.callbacks.append(clock)
@@ -135,20 +138,14 @@ def run_plain(setup: Setup, warmup: int, steps: int, data: LMDataModule, device:
     if setup.compile:
         model.compile_blocks()
     optimizer = make_adamw(adamw_param_groups(model, WEIGHT_DECAY), LR, BETAS)
-    total = warmup + steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, WARMUP_STEPS, total, MIN_LR_RATIO))
+        optimizer, lambda step: warmup_cosine(step, WARMUP_STEPS, warmup + steps, MIN_LR_RATIO))
     dtype = PRECISIONS[setup.precision]
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     batches: Iterator[torch.Tensor] = iter(data.train_dataloader())
 
-    reset_peak_memory(device)
-    start = 0.0
-    for step in range(total):
-        if step == warmup:
-            synchronize(device)
-            start = time.perf_counter()
+    def train_step() -> None:
         batch = next(batches).to(device, non_blocking=True)  # (B, T + 1)
         with autocast:
             logits = model(batch[:, :-1])  # (B, T, V)
@@ -165,8 +162,12 @@ def run_plain(setup: Setup, warmup: int, steps: int, data: LMDataModule, device:
             scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    synchronize(device)
-    return Measurement(1e3 * (time.perf_counter() - start) / steps, peak_memory_gib(device))
+
+    reset_peak_memory(device)
+    for _ in range(warmup):
+        train_step()
+    seconds = timed(lambda: [train_step() for _ in range(steps)], device)
+    return Measurement(1e3 * seconds / steps, peak_memory_gib(device))
 
 
 # -- the comparison --------------------------------------------------------------------------
@@ -215,14 +216,13 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--size", default="xl", choices=sorted(MODEL_SIZES))
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(512, 4), (2048, 1)],
                         metavar="CONTEXTxBATCH", help="context length × batch size per GPU (default: 512x4 2048x1)")
     parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
-    parser.add_argument("--attention", nargs="+", default=["sdpa", "flash_triton"],
-                        help="attention implementations to compare (default: sdpa flash_triton)")
+    parser.add_argument("--attention", nargs="+", choices=attention_names(),
+                        help="attention implementations to compare (default: sdpa flash_triton; sdpa on the CPU)")
     parser.add_argument("--compile", nargs="+", choices=("off", "on"), default=["off", "on"],
                         help="eager (off), compiled blocks (on), or both (default)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each trains every setup once per path)")
@@ -233,8 +233,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--name", default="train_step", help="results file name (without extension)")
     parser.add_argument("--train-py-flags", type=shlex.split, default=[],
                         help="more train.py flags for its path, in one string, e.g. '--trainer.enable_progress_bar false'")
-    add_out_dir_arg(parser)
+    add_device_arg(parser)
     args = parser.parse_args(argv)
+    args.attention = args.attention or (["sdpa", "flash_triton"] if args.device.type == "cuda" else ["sdpa"])
     for flag in ("rounds", "warmup", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
@@ -243,7 +244,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device
     setups = [Setup(args.size, context, batch, args.precision, attention, mode == "on")
               for context, batch in args.shapes for mode in args.compile for attention in args.attention]
     runs: dict[Setup, dict[str, list[Measurement]]] = {setup: {path: [] for path in PATHS} for setup in setups}
@@ -258,10 +259,8 @@ def main(argv: list[str] | None = None) -> None:
                 data.prepare_data()
                 order = PATHS if round_index % 2 == 0 else PATHS[::-1]
                 for path in order:
-                    run: Callable[[], Measurement] = (
-                        (lambda: run_train_py(setup, args.warmup, args.steps, Path(workdir), args.train_py_flags)) if path == "train_py"
-                        else (lambda: run_plain(setup, args.warmup, args.steps, data, device)))
-                    measured = run()
+                    measured = (run_train_py(setup, args.warmup, args.steps, Path(workdir), device, args.train_py_flags)
+                                if path == "train_py" else run_plain(setup, args.warmup, args.steps, data, device))
                     runs[setup][path].append(measured)
                     print(f"round {round_index} {setup.label} {path}: {measured.ms_per_step:.1f} ms/step, "
                           f"{measured.peak_gib:.1f} GiB", flush=True)

@@ -3,6 +3,7 @@
 import csv
 
 import pytest
+import torch
 
 from lm_systems.bench import train as bench
 
@@ -34,8 +35,19 @@ def test_train_py_args_parse_as_the_cli_reads_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     setup = bench.Setup("tiny", 32, 2, "bf16-mixed", "sdpa", compile=True)
     from lm_systems.cli import main
-    cli = main([*bench.train_py_args(setup, 5, tmp_path), "--data.generated_stories", "300",
+    cli = main([*bench.train_py_args(setup, 5, tmp_path, torch.device("cpu")), "--data.generated_stories", "300",
                 "--data.vocab_size", "300"], run=False)
     assert cli.model.hparams.compile and cli.model.hparams.attention == "sdpa" and cli.model.hparams.lr == bench.LR
     assert cli.datamodule.batch_size == 2 and cli.datamodule.context_length == 32
     assert cli.trainer.max_steps == 5 and cli.trainer.gradient_clip_val == bench.CLIP
+    assert cli.trainer.strategy.root_device == torch.device("cpu")  # --device cpu holds on a GPU host too
+    on_gpu = bench.train_py_args(setup, 5, tmp_path, torch.device("cuda", 0))
+    assert on_gpu[on_gpu.index("--accelerator") + 1] == "gpu"
+
+
+def test_default_attention_leaves_out_the_cuda_kernel_on_the_cpu(capsys):
+    assert bench.parse_args(["--device", "cpu"]).attention == ["sdpa"]
+    assert bench.parse_args(["--device", "cpu", "--attention", "naive"]).attention == ["naive"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--attention", "fastest"])
+    assert "--attention: invalid choice: 'fastest'" in capsys.readouterr().err
