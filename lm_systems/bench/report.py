@@ -17,17 +17,13 @@ RUNS_DIR = Path("runs/bench")  # git-ignored; the committed results are benchmar
 Plot = Callable[[Path], None]
 
 
-def add_out_dir_arg(parser: argparse.ArgumentParser) -> None:
-    """``--out-dir``: where every benchmark writes; ad-hoc runs stay out of the committed results."""
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its module docstring as the help, and ``--out-dir`` (ad-hoc runs stay out of
+    the committed results)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=RUNS_DIR,
                         help=f"where CSV / markdown / PNG go (default {RUNS_DIR}; benchmarks/results replaces the "
                              "committed result)")
-
-
-def argument_parser(doc: str) -> argparse.ArgumentParser:
-    """A benchmark's command line: its module docstring as the help, and ``--out-dir``."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_out_dir_arg(parser)
     return parser
 
 
