@@ -1,16 +1,14 @@
-"""Causal attention benchmarks (CUDA): ``python -m lm_systems.bench.attention --mode {headline,pytorch,flash}``.
+"""Causal attention benchmarks (CUDA): ``python -m lm_systems.bench.attention --mode {headline,flash}``.
 
 - ``headline``: B1 H16 N16384 bf16, d 64 and 128: ``torch.compile(FlashAttention2Triton.apply)`` and
   flash_triton eager beside SDPA's flash and cuDNN backends, over interleaved rounds, as ratios; and
   naive attention at that shape (and at batch 2, fp32, beside flash_triton) where it runs out of memory.
-- ``pytorch``: naive attention, batch 8, one head, fp32, over a d × N grid: the mean of ``--repeats``
-  event-timed forwards and backwards, memory before backward, and the memory accounting behind an OOM.
 - ``flash``: batch 1, one head, N 128…65536, d 16…128, bf16 and fp32: every implementation's forward,
   backward and forward+backward ms and TFLOP/s, square and rectangular (N_q = N_k / 4).
 
-Times are medians of ``triton.testing.do_bench`` unless the mode says otherwise. FLOPs count only the
-(query, key) pairs causal attention keeps: forward 4·d per pair (QKᵀ and PV), backward 2.5× the forward
-(five products against two), the FlashAttention-2 paper's convention.
+Times are medians of ``triton.testing.do_bench``. FLOPs count only the (query, key) pairs causal attention
+keeps: forward 4·d per pair (QKᵀ and PV), backward 2.5× the forward (five products against two), the
+FlashAttention-2 paper's convention.
 """
 
 from __future__ import annotations
@@ -164,79 +162,6 @@ def _median(values: list) -> float | str:
     return statistics.median_high(numbers) if numbers else values[0]
 
 
-def pytorch_sweep(args: argparse.Namespace) -> None:
-    attend = implementations(["naive"])["naive"]
-    rows, first_oom = [], None
-    for d in args.pytorch_head_dims:
-        for n in args.pytorch_seq_lens:
-            try:
-                row = {"d": d, "N": n, **_per_call_timings(attend, *_qkv(8, 1, n, n, d, torch.float32), args.repeats)}
-            except Exception as error:  # noqa: BLE001
-                if not _is_oom(error):
-                    raise
-                row = {"d": d, "N": n, "fwd_ms": "OOM", "bwd_ms": "OOM", "mem_before_bwd_MiB": "OOM"}
-                first_oom = first_oom or (d, n)
-            torch.cuda.empty_cache()
-            rows.append(row)
-            print(row, flush=True)
-    ran = [{**r, "fwd+bwd_ms": r["fwd_ms"] + r["bwd_ms"]} for r in rows if r["fwd_ms"] != "OOM"]
-    write_results(
-        "attention_pytorch_sweep", rows, "Naive PyTorch attention: batch 8, one head, fp32, causal",
-        notes=_memory_accounting(rows, first_oom) + f"\n\nEach time is the mean of {args.repeats} calls, "
-        "each bracketed by CUDA events.",
-        columns=["d", "N", "fwd_ms", "bwd_ms", "mem_before_bwd_MiB"], out_dir=args.out_dir,
-        plot=line_plot(ran, "N", "fwd+bwd_ms", series=["d"], title="naive attention, B8 fp32", log="xy"),
-    )
-
-
-def _per_call_timings(attend: AttnFn, q, k, v, repeats: int) -> dict[str, float]:
-    grad_out = torch.randn_like(q)
-    for _ in range(3):  # warm-up: allocator, cuBLAS handles
-        attend(q, k, v, True).backward(grad_out)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def event_ms(call: Callable[[], object]) -> float:
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-
-    fwd_ms = statistics.fmean(event_ms(lambda: attend(q, k, v, True)) for _ in range(repeats))
-    out = attend(q, k, v, True)
-    mem_before_bwd = torch.cuda.memory_allocated() / 2**20  # one live graph: `out`
-    bwd_ms = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        bwd_ms.append(event_ms(lambda: out.backward(grad_out)))
-        out = attend(q, k, v, True)
-    return {"fwd_ms": fwd_ms, "bwd_ms": statistics.fmean(bwd_ms), "mem_before_bwd_MiB": mem_before_bwd}
-
-
-def _memory_accounting(rows: list[dict], first_oom: tuple[int, int] | None) -> str:
-    """Bytes per score element kept for backward, measured on the largest run, applied to the first OOM."""
-    largest = max((r for r in rows if r["fwd_ms"] != "OOM"), key=lambda r: (r["N"], r["d"]))
-    b, n, d = 8, largest["N"], largest["d"]
-    io_mib = 5 * b * n * d * 4 / 2**20  # q, k, v, dO and the output, fp32
-    per_elem = (largest["mem_before_bwd_MiB"] - io_mib) * 2**20 / (b * n * n)
-    text = (
-        f"Memory accounting: the largest run (d={d}, N={n}) holds {largest['mem_before_bwd_MiB']:.0f} MiB before "
-        f"backward; beyond q, k, v, dO and O that is {per_elem:.2f} bytes per element of the B·N² score matrix: "
-        "softmax's fp32 output P (4 B), which the backward of softmax and of P·V both need, and the boolean "
-        "causal mask (N² bytes shared by the batch). Backward then allocates dP and dS, two more fp32 B·N² "
-        "buffers (8 B per element), while P is still alive."
-    )
-    if first_oom is None:
-        return text + " No configuration of this sweep ran out of memory on this GPU."
-    d_oom, n_oom = first_oom
-    need = (per_elem + 8) * b * n_oom * n_oom / 2**30
-    total = torch.cuda.get_device_properties(0).total_memory / 2**30
-    return text + (
-        f" Smallest configuration out of memory: d={d_oom}, N={n_oom}: ({per_elem:.2f} + 8) B × 8·{n_oom}² "
-        f"≈ {need:.0f} GiB at the start of backward, against {total:.0f} GiB on the GPU."
-    )
-
-
 def flash_sweep(args: argparse.Namespace) -> None:
     impls = implementations(FLASH_IMPLS)
     rows: list[dict] = []
@@ -276,19 +201,16 @@ def _write_flash(rows: list[dict], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__)
-    parser.add_argument("--mode", choices=["headline", "pytorch", "flash"], default="headline")
+    parser.add_argument("--mode", choices=["headline", "flash"], default="headline")
     parser.add_argument("--rounds", type=int, default=5, help="headline: interleaved rounds")
     parser.add_argument("--rep-ms", type=int, default=100, help="headline, flash: do_bench measuring time per point")
-    parser.add_argument("--repeats", type=int, default=100, help="pytorch: timed calls per pass")
-    parser.add_argument("--pytorch-seq-lens", type=int, nargs="+", default=[256, 1024, 4096, 8192, 16384])
-    parser.add_argument("--pytorch-head-dims", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--flash-seq-lens", type=int, nargs="+", default=[2**p for p in range(7, 17)])
     parser.add_argument("--flash-head-dims", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--flash-dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp32"])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("lm_systems.bench.attention times CUDA kernels: it needs a GPU")
-    {"headline": headline, "pytorch": pytorch_sweep, "flash": flash_sweep}[args.mode](args)
+    {"headline": headline, "flash": flash_sweep}[args.mode](args)
 
 
 if __name__ == "__main__":
