@@ -44,8 +44,9 @@ class LitLM(L.LightningModule):
         decay_steps: step at which the cosine reaches its floor; None means trainer.max_steps.
         weight_decay: AdamW weight decay on matrices (never on norms or embeddings).
         betas: AdamW betas.
-        compile: torch.compile each Transformer block in place (data-parallel strategies keep overlapping
-            the gradient all-reduces with backward, which a whole compiled model would not let them).
+        compile: torch.compile the model in place: whole in one process; each Transformer block on its own
+            across processes, where the data-parallel strategies overlap each block's gradient communication
+            with the rest of backward (a whole compiled model hands every gradient over at its end).
         sample_prompt: prompt of the sample printed after training ('' skips it).
         sample_tokens: length of that sample.
         on_nonfinite: what a non-finite loss or gradient norm does: "stop" ends the run with an error (the
@@ -136,13 +137,13 @@ class LitLM(L.LightningModule):
         self._data_shape = (getattr(datamodule, "batch_size", None), data_context)
 
     def configure_model(self) -> None:
-        """Build the TransformerLM (and compile its blocks) once: Lightning calls this hook at every fit, validate,
+        """Build the TransformerLM (and compile it) once: Lightning calls this hook at every fit, validate,
         test and predict, and ``load_from_checkpoint`` calls it too. After a Trainer's ``setup``, also count
         ``flops_per_batch`` for the data's batches (ThroughputMonitor and MFUMonitor read it) and log the size."""
         if self.model is None:
             self.model = TransformerLM(self.config)
             if self.hparams.compile:
-                self.model.compile_blocks()
+                self._compile_model()
         if self._data_shape is None:
             return
         batch_size, data_context = self._data_shape
@@ -153,6 +154,14 @@ class LitLM(L.LightningModule):
             f"{self.model.flops_per_token(data_context) / 1e6:.1f} MFLOP/token (training), "
             f"attention={resolve_attention_name(self.config.attention, self.device)}"
         )
+
+    def _compile_model(self) -> None:
+        """Per block where gradients are reduced across processes, so that each block's are ready as its backward
+        ends; else the whole model, whose one graph launches its kernels with less host work per step."""
+        if self._trainer is not None and self._trainer.world_size > 1:
+            self.model.compile_blocks()
+        else:
+            self.model.compile()
 
     def configure_optimizers(self) -> dict[str, Any]:
         # Fused AdamW on CUDA, in every precision: configure_gradient_clipping unscales for it under 16-mixed.
@@ -281,8 +290,8 @@ class LitLM(L.LightningModule):
             return
         # Here, not in on_fit_end: the model is still on the training device (Lightning moves it to the CPU
         # before on_fit_end, where the Triton kernels cannot run). Every rank samples the same tokens, so a
-        # sharding container's gathers find all ranks; compiled blocks run eagerly, as each new length
-        # would recompile them.
+        # sharding container's gathers find all ranks; a compiled model runs eagerly, as each new length
+        # would recompile it.
         with torch.compiler.set_stance("force_eager"):
             text = sample_text(
                 self.model, tokenizer, self.hparams.sample_prompt, max_new_tokens=self.hparams.sample_tokens,

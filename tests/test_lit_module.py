@@ -125,14 +125,32 @@ def test_bad_model_arguments_fail_at_construction(kwargs, key):
         LitLM(**{**SMALL_MODEL, **kwargs})
 
 
-def test_compile_happens_once_across_stages(cache_dir, tmp_path, monkeypatch):
+def _record_compiles(monkeypatch) -> list[tuple[str, torch.nn.Module]]:
     calls = []
-    monkeypatch.setattr("lm_systems.model.TransformerLM.compile_blocks", lambda self, *a, **k: calls.append(self))
+    monkeypatch.setattr(TransformerLM, "compile_blocks", lambda self, *a, **k: calls.append(("blocks", self)))
+    monkeypatch.setattr(TransformerLM, "compile", lambda self, *a, **k: calls.append(("whole", self)))
+    return calls
+
+
+def test_compile_happens_once_across_stages(cache_dir, tmp_path, monkeypatch):
+    calls = _record_compiles(monkeypatch)
     model, data = LitLM(**SMALL_MODEL, compile=True), datamodule(cache_dir)
     t = trainer(tmp_path, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0)
     t.fit(model, datamodule=data)
     t.validate(model, datamodule=data, verbose=False)
-    assert calls == [model.model]
+    assert calls == [("whole", model.model)]
+
+
+@pytest.mark.parametrize("devices, compiled", [(1, "whole"), (2, "blocks")])
+def test_compile_is_per_block_only_across_processes(devices, compiled, monkeypatch):
+    """Across processes the strategies overlap each block's gradient communication with backward, which needs each
+    block's backward to be a node of its own; in one process the whole model compiles into one graph."""
+    calls = _record_compiles(monkeypatch)
+    lit = LitLM(**SMALL_MODEL, vocab_size=100, compile=True)
+    lit.trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+                            logger=False, enable_progress_bar=False, enable_model_summary=False)
+    lit.configure_model()
+    assert calls == [(compiled, lit.model)]
 
 
 def test_the_model_is_built_by_configure_model_once():

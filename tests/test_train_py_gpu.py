@@ -1,5 +1,5 @@
 """`python train.py ...` on one GPU, run as the user runs it (a subprocess): every strategy in every precision
-with clipping on, compiled blocks, the Triton kernel, resuming from last.ckpt, and the shipped configs.
+with clipping on, compiled, the Triton kernel, resuming from last.ckpt, and the shipped configs.
 
 Each run must exit 0, lower the training loss (TensorBoard's train/loss, first logged value against the
 last) and leave a checkpoint whose weights load and are finite.
@@ -75,7 +75,7 @@ def test_strategy_and_precision_on_one_gpu(strategy, precision, tmp_path, cache_
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
-def test_compiled_blocks(attention, tmp_path, cache_dir):
+def test_compiled(attention, tmp_path, cache_dir):
     train_py(tmp_path, cache_dir, "--model.compile", "true", "--model.attention", attention, "--precision", "bf16-mixed")
     assert_trained(tmp_path)
 
