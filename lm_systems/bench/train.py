@@ -136,7 +136,7 @@ def run_plain(setup: Setup, warmup: int, steps: int, data: LMDataModule, device:
     with torch.device(device):
         model = TransformerLM(config)
     if setup.compile:
-        model.compile_blocks()
+        model.compile()  # the whole model, as one compiles a hand-written loop
     optimizer = make_adamw(adamw_param_groups(model, WEIGHT_DECAY), LR, BETAS)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, WARMUP_STEPS, warmup + steps, MIN_LR_RATIO))
@@ -224,7 +224,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention", nargs="+", choices=attention_names(),
                         help="attention implementations to compare (default: sdpa flash_triton; sdpa on the CPU)")
     parser.add_argument("--compile", nargs="+", choices=("off", "on"), default=["off", "on"],
-                        help="eager (off), compiled blocks (on), or both (default)")
+                        help="eager (off), torch.compiled (on), or both (default)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each trains every setup once per path)")
     parser.add_argument("--warmup", type=int, default=8, help="untimed optimizer steps per run")
     parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per run")
