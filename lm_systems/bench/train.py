@@ -9,7 +9,8 @@ what one writes by hand: autocast, ``backward``, ``clip_grad_norm_``, ``step``, 
 
 Each run trains ``--warmup`` untimed steps, then ``--steps`` steps between two device synchronisations.
 The table gives each path's median step time over the rounds, tokens/s, MFU and peak memory, and the
-ratio train.py / plain loop (median of the per-round ratios, with its range).
+ratio train.py / plain loop (median of the per-round ratios, with its range), rewritten after every pair
+of runs so that a run cut short keeps what it measured.
 
     python -m lm_systems.bench.train                                       # xl: ctx 512 × 4, ctx 2048 × 1
     python -m lm_systems.bench.train --shapes 1024x8 --attention sdpa --compile on
@@ -265,8 +266,14 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"round {round_index} {setup.label} {path}: {measured.ms_per_step:.1f} ms/step, "
                           f"{measured.peak_gib:.1f} GiB", flush=True)
                     free_memory(device)
+                write(runs, args)  # after every pair of runs: a run cut short keeps what it measured
+
+
+def write(runs: dict[Setup, dict[str, list[Measurement]]], args: argparse.Namespace) -> None:
+    """The summary of every setup both paths have trained, as results files."""
     vocab_size = LMDataModule().vocab_size
-    rows = [row for setup in setups if runs[setup]["plain"] for row in summary_rows(setup, runs[setup], vocab_size, device)]
+    rows = [row for setup, measured in runs.items() if measured["train_py"] and measured["plain"]
+            for row in summary_rows(setup, measured, vocab_size, args.device)]
     flags = f" train.py's extra flags: `{shlex.join(args.train_py_flags)}`." if args.train_py_flags else ""
     notes = (f"Each run: {args.warmup} untimed then {args.steps} timed optimizer steps; AdamW (fused on CUDA) lr {LR}, "
              f"clip {CLIP}, same batches. `train_py / plain` rows: the median per-round ratio of step times "

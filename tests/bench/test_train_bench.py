@@ -23,6 +23,24 @@ def test_cpu_run_writes_both_paths_and_their_ratio(tmp_path, monkeypatch):
     assert float(ratio["ms_per_step"]) == pytest.approx(expected, rel=0.6)  # a median of per-round ratios
 
 
+def test_a_run_cut_short_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_plain, calls = bench.run_plain, []
+
+    def plain_then_killed(*args):
+        calls.append(1)
+        if len(calls) == 2:  # round 1 (plain runs first there): the call limit kills the process
+            raise KeyboardInterrupt
+        return run_plain(*args)
+
+    monkeypatch.setattr(bench, "run_plain", plain_then_killed)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "--compile", "off", "--rounds", "2",
+                    "--warmup", "1", "--steps", "2", "--out-dir", str(tmp_path / "out")])
+    rows = list(csv.DictReader((tmp_path / "out" / "train_step.csv").open()))
+    assert {row["path"]: row["rounds"] for row in rows} == {"train_py": "1", "plain": "1", "train_py / plain": "1"}
+
+
 @pytest.mark.parametrize("shape, message", [("512", "CONTEXTxBATCH"), ("0x4", "positive")])
 def test_bad_shape_names_the_flag(shape, message, capsys):
     with pytest.raises(SystemExit):
