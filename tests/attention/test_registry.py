@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lm_systems.attention import attention_names, get_attention, register_attention, resolve_attention_name
+from lm_systems.attention import get_attention, register_attention, resolve_attention_name
 
 
 def float64_attention(q, k, v, is_causal):
