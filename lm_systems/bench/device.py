@@ -50,6 +50,11 @@ def peak_memory_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else float("nan")
 
 
+def allocated_gib(device: torch.device) -> float:
+    """Memory held by live tensors now, in GiB; NaN on the CPU, where it is not tracked."""
+    return torch.cuda.memory_allocated(device) / 1024**3 if device.type == "cuda" else float("nan")
+
+
 def free_memory(device: torch.device) -> None:
     """Give back what dropped models held."""
     gc.collect()

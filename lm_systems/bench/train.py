@@ -1,20 +1,26 @@
 """Training speed through train.py's own path against a plain PyTorch loop: ``python -m lm_systems.bench.train``.
 
 Both train the same TransformerLM on the same LMDataModule batches, with the same fused AdamW, schedule,
-gradient clipping and precision, in one process and interleaved (the order alternates each round), so
-the drift of a lent GPU's speed falls on both alike. ``train.py``'s path is ``lm_systems.cli.main``
-with the Trainer, LitLM, LMDataModule, default callbacks and logger it builds; only its checkpoint
-saves are turned off (this times training steps, not saves), as is validation. The plain loop is
-what one writes by hand: autocast, ``backward``, ``clip_grad_norm_``, ``step``, ``zero_grad``.
+gradient clipping and precision. ``train.py``'s path is ``lm_systems.cli.main`` with the Trainer, LitLM,
+LMDataModule, default callbacks and logger it builds; only its checkpoint saves are turned off (this times
+training steps, not saves), as is validation. The plain loop is what one writes by hand: autocast,
+``backward``, ``clip_grad_norm_``, ``step``, ``zero_grad``, over a model of its own.
 
-Each run trains ``--warmup`` untimed steps, then ``--steps`` steps between two device synchronisations.
-The table gives each path's median step time over the rounds, tokens/s, MFU and peak memory, and the
-ratio train.py / plain loop (median of the per-round ratios, with its range), rewritten after every pair
-of runs so that a run cut short keeps what it measured.
+The two alternate in one process, in segments of ``--steps`` optimizer steps: after ``--warmup`` steps,
+train.py's fit pauses at the end of every segment while the plain loop trains a segment of its own (once
+per attention in ``--attention``, the one train.py runs first), each segment timed between two device
+synchronisations. A lent GPU's speed drifts by tens of percent over minutes; segments seconds apart see
+the same GPU, and each path compiles once. Both models are held at once: xl at context 1024 × 8 needs
+a GPU of more than 80 GB.
+
+The table gives each path's median segment time per step, tokens/s, MFU and peak memory (each path's
+own: the other's resident memory taken off), the ratio train.py / plain loop (median of the per-segment
+ratios, with their range), and each attention's plain step against the first's. It is rewritten after
+every segment, so that a run cut short keeps what it measured.
 
     python -m lm_systems.bench.train                                       # xl: ctx 512 × 4, ctx 2048 × 1
-    python -m lm_systems.bench.train --shapes 1024x8 --attention sdpa --compile on
-    python -m lm_systems.bench.train --size tiny --shapes 64x4 --rounds 1 --steps 3 --warmup 2 --device cpu  # CPU check
+    python -m lm_systems.bench.train --shapes 2048x1 --attention sdpa flash_triton --compile on
+    python -m lm_systems.bench.train --size tiny --shapes 64x4 --rounds 2 --steps 3 --warmup 2 --device cpu  # CPU check
 """
 
 from __future__ import annotations
@@ -25,27 +31,28 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 
 from lm_systems.attention import attention_names
-from lm_systems.bench.device import add_device_arg, free_memory, peak_memory_gib, reset_peak_memory, synchronize, timed
+from lm_systems.bench.device import (add_device_arg, allocated_gib, free_memory, peak_memory_gib, reset_peak_memory,
+                                     synchronize)
 from lm_systems.bench.report import argument_parser, write_results
 from lm_systems.cli import main as train_py
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.hardware import peak_flops
-from lm_systems.model import TransformerLM
+from lm_systems.model import CausalSelfAttention, TransformerLM
 from lm_systems.optim import adamw_param_groups, make_adamw
 from lm_systems.schedule import warmup_cosine
 
-PATHS = ("train_py", "plain")
 PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
 # One optimisation recipe for both paths, passed to train.py explicitly.
 LR, WARMUP_STEPS, MIN_LR_RATIO, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 5, 0.1, 0.1, (0.9, 0.95), 1.0
@@ -67,6 +74,10 @@ class Setup:
         return (f"{self.size} ctx{self.context}×{self.batch_size} {self.precision} {self.attention}"
                 f"{' compiled' if self.compile else ''}")
 
+    @property
+    def shape_label(self) -> str:
+        return f"{self.size} ctx{self.context}×{self.batch_size} {self.precision}{' compiled' if self.compile else ''}"
+
 
 @dataclass
 class Measurement:
@@ -74,29 +85,12 @@ class Measurement:
     peak_gib: float
 
 
-# -- train.py's path -------------------------------------------------------------------------
+@dataclass
+class Rounds:
+    """What one setup's runs measured, segment by segment."""
 
-
-class _StepClock(Callback):
-    """Reads the clock after optimizer steps ``warmup`` and ``warmup + steps``, each after a device sync."""
-
-    def __init__(self, warmup: int, steps: int) -> None:
-        self._marks = {warmup: "start", warmup + steps: "end"}
-        self._times: dict[str, float] = {}
-        self.steps = steps
-
-    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
-        reset_peak_memory(trainer.strategy.root_device)
-
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        mark = self._marks.get(trainer.global_step)
-        if mark is not None and mark not in self._times:
-            synchronize(trainer.strategy.root_device)
-            self._times[mark] = time.perf_counter()
-
-    def measurement(self, device: torch.device) -> Measurement:
-        elapsed = self._times["end"] - self._times["start"]
-        return Measurement(1e3 * elapsed / self.steps, peak_memory_gib(device))
+    train_py: list[Measurement] = field(default_factory=list)
+    plain: dict[str, list[Measurement]] = field(default_factory=lambda: defaultdict(list))  # per attention
 
 
 def train_py_args(setup: Setup, max_steps: int, workdir: Path, device: torch.device) -> list[str]:
@@ -116,62 +110,136 @@ def train_py_args(setup: Setup, max_steps: int, workdir: Path, device: torch.dev
     ]
 
 
-def run_train_py(setup: Setup, warmup: int, steps: int, workdir: Path, device: torch.device,
-                 extra_flags: list[str]) -> Measurement:
-    with warnings.catch_warnings():  # that args and the bench's own sys.argv both exist is intended here
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = train_py([*train_py_args(setup, warmup + steps, workdir, device), *extra_flags], run=False)
-    trainer = cli.trainer
-    clock = _StepClock(warmup, steps)
-    trainer.callbacks.append(clock)
-    trainer.fit(cli.model, datamodule=cli.datamodule)
-    return clock.measurement(trainer.strategy.root_device)
-
-
 # -- the plain loop --------------------------------------------------------------------------
 
 
-def run_plain(setup: Setup, warmup: int, steps: int, data: LMDataModule, device: torch.device) -> Measurement:
-    config = ModelConfig.from_name(setup.size, context_length=setup.context, attention=setup.attention,
-                                   vocab_size=data.vocab_size)
-    with torch.device(device):
-        model = TransformerLM(config)
-    if setup.compile:
-        model.compile()  # the whole model, as one compiles a hand-written loop
-    optimizer = make_adamw(adamw_param_groups(model, WEIGHT_DECAY), LR, BETAS)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, WARMUP_STEPS, warmup + steps, MIN_LR_RATIO))
-    dtype = PRECISIONS[setup.precision]
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    batches: Iterator[torch.Tensor] = iter(data.train_dataloader())
+class PlainLoop:
+    """The hand-written loop over a TransformerLM of its own: ``step()`` trains one batch."""
 
-    def train_step() -> None:
-        batch = next(batches).to(device, non_blocking=True)  # (B, T + 1)
-        with autocast:
-            logits = model(batch[:, :-1])  # (B, T, V)
+    def __init__(self, setup: Setup, data: LMDataModule, device: torch.device, total_steps: int) -> None:
+        config = ModelConfig.from_name(setup.size, context_length=setup.context, attention=setup.attention,
+                                       vocab_size=data.vocab_size)
+        with torch.device(device):
+            self.model = TransformerLM(config)
+        if setup.compile:
+            self.model.compile()  # the whole model, as one compiles a hand-written loop
+        self.optimizer = make_adamw(adamw_param_groups(self.model, WEIGHT_DECAY), LR, BETAS)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: warmup_cosine(step, WARMUP_STEPS, total_steps, MIN_LR_RATIO))
+        dtype = PRECISIONS[setup.precision]
+        self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        self.batches: Iterator[torch.Tensor] = iter(data.train_dataloader())
+        self.device = device
+
+    def use_attention(self, name: str) -> None:
+        """Switch every block to attention ``name`` (a compiled model compiles once more per name)."""
+        for module in self.model.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.attention_name = name
+
+    def step(self) -> None:
+        batch = next(self.batches).to(self.device, non_blocking=True)  # (B, T + 1)
+        with self.autocast:
+            logits = self.model(batch[:, :-1])  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        if scaler is None:
+        if self.scaler is None:
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            optimizer.step()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+            self.optimizer.step()
         else:
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            scaler.step(optimizer)
-            scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    reset_peak_memory(device)
-    for _ in range(warmup):
-        train_step()
-    seconds = timed(lambda: [train_step() for _ in range(steps)], device)
-    return Measurement(1e3 * seconds / steps, peak_memory_gib(device))
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
-# -- the comparison --------------------------------------------------------------------------
+# -- the two, interleaved --------------------------------------------------------------------
+
+
+class _Interleave(Callback):
+    """Pauses train.py's fit after step ``warmup`` and after every ``steps`` steps from there, to time the
+    segment it just trained and a segment of the plain loop in each attention of ``attentions``.
+
+    Peak memory is each path's own: the allocator's peak during its segment, less what the other path
+    holds while paused (train.py's peak before the plain loop exists is read as it is).
+    """
+
+    def __init__(self, make_plain: Callable[[], PlainLoop], attentions: list[str], warmup: int, steps: int,
+                 rounds: Rounds, on_round: Callable[[], None]) -> None:
+        self._make_plain, self._attentions = make_plain, attentions
+        self._warmup, self._steps = warmup, steps
+        self.rounds, self._on_round = rounds, on_round
+        self._plain: PlainLoop | None = None
+        self._held = {"train_py": 0.0, "plain": 0.0}  # GiB each path holds while the other runs
+        self._started = 0.0
+        self._warmup_peak = {"train_py": float("nan"), "plain": float("nan")}  # GiB, each path's own
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        reset_peak_memory(trainer.strategy.root_device)
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        step, device = trainer.global_step, trainer.strategy.root_device
+        if step < self._warmup or (step - self._warmup) % self._steps:
+            return
+        synchronize(device)
+        if self._plain is None:
+            self._warmup_peak["train_py"] = peak_memory_gib(device)
+            self._start_plain(device)
+        else:
+            ms = 1e3 * (time.perf_counter() - self._started) / self._steps
+            peak = peak_memory_gib(device) - self._held["plain"]
+            self.rounds.train_py.append(Measurement(ms, max(peak, self._warmup_peak["train_py"])))
+            for name in self._attentions:
+                self.rounds.plain[name].append(self._plain_segment(name, self._steps, device))
+            self._on_round()
+        reset_peak_memory(device)
+        self._started = time.perf_counter()
+
+    def _start_plain(self, device: torch.device) -> None:
+        """Build the plain loop and train it ``warmup`` steps in every attention."""
+        self._held["train_py"] = allocated_gib(device)
+        reset_peak_memory(device)
+        self._plain = self._make_plain()
+        warmup_peaks = [self._plain_segment(name, self._warmup, device).peak_gib for name in self._attentions]
+        self._warmup_peak["plain"] = max(warmup_peaks)
+        self._held["plain"] = allocated_gib(device) - self._held["train_py"]
+
+    def _plain_segment(self, attention: str, steps: int, device: torch.device) -> Measurement:
+        self._plain.use_attention(attention)
+        reset_peak_memory(device)
+        synchronize(device)
+        started = time.perf_counter()
+        for _ in range(steps):
+            self._plain.step()
+        synchronize(device)
+        ms = 1e3 * (time.perf_counter() - started) / steps
+        peak = peak_memory_gib(device) - self._held["train_py"]
+        return Measurement(ms, max(peak, self._warmup_peak["plain"]))
+
+
+def run_setup(setup: Setup, attentions: list[str], warmup: int, steps: int, rounds: int, workdir: Path,
+              device: torch.device, extra_flags: list[str], on_round: Callable[[Rounds], None]) -> Rounds:
+    """train.py and the plain loop on ``setup``, interleaved for ``rounds`` segments of ``steps`` steps; the
+    plain loop also in each other attention of ``attentions``. ``on_round`` gets the rounds so far after each."""
+    with warnings.catch_warnings():  # that args and the bench's own sys.argv both exist is intended here
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = train_py([*train_py_args(setup, warmup + rounds * steps, workdir, device), *extra_flags], run=False)
+    measured = Rounds()
+    plain_data = LMDataModule(context_length=setup.context, batch_size=setup.batch_size)
+    plain_data.prepare_data()
+    order = [setup.attention, *(name for name in attentions if name != setup.attention)]
+    interleave = _Interleave(lambda: PlainLoop(setup, plain_data, device, warmup + rounds * steps), order, warmup,
+                             steps, measured, lambda: on_round(measured))
+    cli.trainer.callbacks.append(interleave)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return measured
+
+
+# -- the report ------------------------------------------------------------------------------
 
 
 def flops_per_token(setup: Setup, vocab_size: int) -> float:
@@ -180,28 +248,42 @@ def flops_per_token(setup: Setup, vocab_size: int) -> float:
         return TransformerLM(config).flops_per_token(setup.context)
 
 
-def summary_rows(setup: Setup, runs: dict[str, list[Measurement]], vocab_size: int,
-                 device: torch.device) -> list[dict]:
+def _ratio_row(label: str, path: str, ratios: list[float], memory: float | str = "") -> dict:
+    return {"setup": label, "path": path, "rounds": len(ratios), "ms_per_step": statistics.median(ratios),
+            "min_ms": min(ratios), "max_ms": max(ratios), "peak_GiB": memory}
+
+
+def summary_rows(setup: Setup, measured: Rounds, vocab_size: int, device: torch.device) -> list[dict]:
     tokens = setup.batch_size * setup.context
     peak = peak_flops(device, PRECISIONS[setup.precision])
     flops = flops_per_token(setup, vocab_size)
+    runs = {"train_py": measured.train_py, "plain": measured.plain[setup.attention]}
     rows = []
-    for path, measured in runs.items():
-        ms = statistics.median(m.ms_per_step for m in measured)
+    for path, segments in runs.items():
+        ms = statistics.median(m.ms_per_step for m in segments)
         rows.append({
-            "setup": setup.label, "path": path, "rounds": len(measured), "ms_per_step": ms,
-            "min_ms": min(m.ms_per_step for m in measured), "max_ms": max(m.ms_per_step for m in measured),
+            "setup": setup.label, "path": path, "rounds": len(segments), "ms_per_step": ms,
+            "min_ms": min(m.ms_per_step for m in segments), "max_ms": max(m.ms_per_step for m in segments),
             "tokens_per_s": tokens / ms * 1e3,
             "mfu": flops * tokens / (ms * 1e-3) / peak if peak else "",
-            "peak_GiB": max(m.peak_gib for m in measured),
+            "peak_GiB": max(m.peak_gib for m in segments),
         })
-    ratios = [a.ms_per_step / b.ms_per_step for a, b in zip(runs["train_py"], runs["plain"])]
+    ratios = [a.ms_per_step / b.ms_per_step for a, b in zip(*runs.values())]
     memory = max(m.peak_gib for m in runs["train_py"]) / max(m.peak_gib for m in runs["plain"])
-    rows.append({
-        "setup": setup.label, "path": "train_py / plain", "rounds": len(ratios),
-        "ms_per_step": statistics.median(ratios), "min_ms": min(ratios), "max_ms": max(ratios),
-        "peak_GiB": memory,
-    })
+    return rows + [_ratio_row(setup.label, "train_py / plain", ratios, memory)]
+
+
+def attention_rows(setups: list[Setup], measured: dict[Setup, Rounds], attentions: list[str]) -> list[dict]:
+    """Per shape: each other attention's plain step over the first's, segment by segment, from every setup's run."""
+    first, rows = attentions[0], []
+    for setup in (s for s in setups if s.attention == first):
+        ratios: dict[str, list[float]] = defaultdict(list)
+        for same_shape in (replace(setup, attention=name) for name in attentions):
+            plain = measured[same_shape].plain if same_shape in measured else {}
+            for name in attentions[1:]:
+                ratios[name] += [a.ms_per_step / b.ms_per_step for a, b in zip(plain.get(name, []), plain.get(first, []))]
+        rows += [_ratio_row(setup.shape_label, f"plain {name} / {first}", values)
+                 for name, values in ratios.items() if values]
     return rows
 
 
@@ -226,11 +308,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="attention implementations to compare (default: sdpa flash_triton; sdpa on the CPU)")
     parser.add_argument("--compile", nargs="+", choices=("off", "on"), default=["off", "on"],
                         help="eager (off), torch.compiled (on), or both (default)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each trains every setup once per path)")
-    parser.add_argument("--warmup", type=int, default=8, help="untimed optimizer steps per run")
-    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per run")
-    parser.add_argument("--time-budget-s", type=float, default=None,
-                        help="start no new round after this many seconds (the rounds done are reported)")
+    parser.add_argument("--rounds", type=int, default=6, help="segments each path trains per setup")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed optimizer steps of each path first")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="optimizer steps per timed segment (a multiple of train.py's log_every_n_steps, 10, "
+                             "keeps its logged steps in proportion)")
     parser.add_argument("--name", default="train_step", help="results file name (without extension)")
     parser.add_argument("--train-py-flags", type=shlex.split, default=[],
                         help="more train.py flags for its path, in one string, e.g. '--trainer.enable_progress_bar false'")
@@ -248,36 +330,33 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device
     setups = [Setup(args.size, context, batch, args.precision, attention, mode == "on")
               for context, batch in args.shapes for mode in args.compile for attention in args.attention]
-    runs: dict[Setup, dict[str, list[Measurement]]] = {setup: {path: [] for path in PATHS} for setup in setups}
-    began = time.perf_counter()
+    measured: dict[Setup, Rounds] = {}
     with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
-        for round_index in range(args.rounds):
-            if args.time_budget_s is not None and round_index and time.perf_counter() - began > args.time_budget_s:
-                print(f"time budget reached: {round_index} rounds done")
-                break
-            for setup in setups:
-                data = LMDataModule(context_length=setup.context, batch_size=setup.batch_size)
-                data.prepare_data()
-                order = PATHS if round_index % 2 == 0 else PATHS[::-1]
-                for path in order:
-                    measured = (run_train_py(setup, args.warmup, args.steps, Path(workdir), device, args.train_py_flags)
-                                if path == "train_py" else run_plain(setup, args.warmup, args.steps, data, device))
-                    runs[setup][path].append(measured)
-                    print(f"round {round_index} {setup.label} {path}: {measured.ms_per_step:.1f} ms/step, "
-                          f"{measured.peak_gib:.1f} GiB", flush=True)
-                    free_memory(device)
-                write(runs, args)  # after every pair of runs: a run cut short keeps what it measured
+        for setup in setups:
+            def report(rounds: Rounds, setup: Setup = setup) -> None:
+                print(f"{setup.label} round {len(rounds.train_py)}: train_py {rounds.train_py[-1].ms_per_step:.1f} "
+                      + " ".join(f"plain {name} {m[-1].ms_per_step:.1f}" for name, m in rounds.plain.items())
+                      + " ms/step", flush=True)
+                measured[setup] = rounds
+                write(setups, measured, args)
+
+            torch._dynamo.reset()  # each setup compiles afresh: a second shape would get a dynamic-shape graph
+            run_setup(setup, args.attention, args.warmup, args.steps, args.rounds, Path(workdir), device,
+                      args.train_py_flags, report)
+            free_memory(device)
 
 
-def write(runs: dict[Setup, dict[str, list[Measurement]]], args: argparse.Namespace) -> None:
-    """The summary of every setup both paths have trained, as results files."""
+def write(setups: list[Setup], measured: dict[Setup, Rounds], args: argparse.Namespace) -> None:
+    """The summary of every setup measured so far, as results files."""
     vocab_size = LMDataModule().vocab_size
-    rows = [row for setup, measured in runs.items() if measured["train_py"] and measured["plain"]
-            for row in summary_rows(setup, measured, vocab_size, args.device)]
+    rows = [row for setup in setups if setup in measured
+            for row in summary_rows(setup, measured[setup], vocab_size, args.device)]
+    rows += attention_rows(setups, measured, args.attention)
     flags = f" train.py's extra flags: `{shlex.join(args.train_py_flags)}`." if args.train_py_flags else ""
-    notes = (f"Each run: {args.warmup} untimed then {args.steps} timed optimizer steps; AdamW (fused on CUDA) lr {LR}, "
-             f"clip {CLIP}, same batches. `train_py / plain` rows: the median per-round ratio of step times "
-             f"(min_ms/max_ms: its range) and the ratio of peak memory.{flags}")
+    notes = (f"Each setup: one process, {args.warmup} untimed steps of each path, then segments of {args.steps} "
+             f"optimizer steps, train.py's and the plain loop's in turn; AdamW (fused on CUDA) lr {LR}, clip {CLIP}. "
+             "Ratio rows: the median per-segment ratio of step times (min_ms/max_ms: its range) and, for "
+             f"train_py / plain, the ratio of peak memory.{flags}")
     write_results(args.name, rows, "Training step: train.py's path against a plain PyTorch loop", notes=notes,
                   out_dir=args.out_dir)
 

@@ -1,40 +1,65 @@
 """bench.train on the CPU: both paths train the same setup, and the table carries the ratio rows."""
 
 import csv
+from unittest.mock import patch
 
 import pytest
 import torch
 
+from lm_systems.attention import registry
+from lm_systems.attention.naive import naive_attention
 from lm_systems.bench import train as bench
+from lm_systems.data.datamodule import LMDataModule
 
 
-def test_cpu_run_writes_both_paths_and_their_ratio(tmp_path, monkeypatch):
+def test_cpu_run_writes_both_paths_their_ratio_and_the_attention_ratio(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # data cache and logs land here
-    bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "--compile", "off", "--rounds", "2",
-                "--warmup", "1", "--steps", "2", "--out-dir", str(tmp_path / "out")])
+    bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "naive", "--compile", "off",
+                "--rounds", "2", "--warmup", "1", "--steps", "2", "--out-dir", str(tmp_path / "out")])
     rows = list(csv.DictReader((tmp_path / "out" / "train_step.csv").open()))
-    by_path = {row["path"]: row for row in rows}
-    assert set(by_path) == {"train_py", "plain", "train_py / plain"}
-    for path in ("train_py", "plain"):
-        assert by_path[path]["rounds"] == "2" and float(by_path[path]["ms_per_step"]) > 0
-    ratio = by_path["train_py / plain"]
-    assert float(ratio["min_ms"]) <= float(ratio["ms_per_step"]) <= float(ratio["max_ms"])
-    expected = float(by_path["train_py"]["ms_per_step"]) / float(by_path["plain"]["ms_per_step"])
-    assert float(ratio["ms_per_step"]) == pytest.approx(expected, rel=0.6)  # a median of per-round ratios
+    for attention in ("sdpa", "naive"):
+        by_path = {row["path"]: row for row in rows if row["setup"].endswith(attention)}
+        assert set(by_path) == {"train_py", "plain", "train_py / plain"}
+        for path in ("train_py", "plain"):
+            assert by_path[path]["rounds"] == "2" and float(by_path[path]["ms_per_step"]) > 0
+        ratio = by_path["train_py / plain"]
+        assert float(ratio["min_ms"]) <= float(ratio["ms_per_step"]) <= float(ratio["max_ms"])
+        expected = float(by_path["train_py"]["ms_per_step"]) / float(by_path["plain"]["ms_per_step"])
+        assert float(ratio["ms_per_step"]) == pytest.approx(expected, rel=0.6)  # a median of per-segment ratios
+    # Both setups' plain loops ran both attentions: two segments each.
+    (attention,) = [row for row in rows if row["path"] == "plain naive / sdpa"]
+    assert attention["rounds"] == "4" and attention["setup"] == "tiny ctx32×2 bf16-mixed"
+
+
+def test_the_plain_loop_switches_attention_in_place(tmp_path):
+    data = LMDataModule(context_length=16, batch_size=2, generated_stories=300, vocab_size=300,
+                        cache_dir=str(tmp_path))
+    data.prepare_data()
+    plain = bench.PlainLoop(bench.Setup("tiny", 16, 2, "32-true", "sdpa", False), data, torch.device("cpu"), 4)
+    called = []
+    counted_naive = {"naive": lambda *args: called.append("naive") or naive_attention(*args)}
+    plain.use_attention("naive")
+    with patch.dict(registry._REGISTRY, counted_naive):
+        plain.step()
+    assert called == ["naive"] * plain.model.config.num_layers
+
+
+class Killed(Exception):
+    """Stands in for the device's call limit ending the process (Lightning catches KeyboardInterrupt itself)."""
 
 
 def test_a_run_cut_short_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run_plain, calls = bench.run_plain, []
+    step, calls = bench.PlainLoop.step, []
 
-    def plain_then_killed(*args):
+    def step_then_killed(self):
         calls.append(1)
-        if len(calls) == 2:  # round 1 (plain runs first there): the call limit kills the process
-            raise KeyboardInterrupt
-        return run_plain(*args)
+        if len(calls) == 1 + 2 + 1:  # warm-up, round 0, then round 1: the call limit kills the process
+            raise Killed
+        return step(self)
 
-    monkeypatch.setattr(bench, "run_plain", plain_then_killed)
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(bench.PlainLoop, "step", step_then_killed)
+    with pytest.raises(Killed):
         bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "--compile", "off", "--rounds", "2",
                     "--warmup", "1", "--steps", "2", "--out-dir", str(tmp_path / "out")])
     rows = list(csv.DictReader((tmp_path / "out" / "train_step.csv").open()))
