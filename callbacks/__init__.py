@@ -1,14 +1,15 @@
 """Lightning callbacks for profiling training: NVTX ranges, CUDA memory snapshots, step timing, tokens/s and MFU
-(and the step-bounded progress bar train.py uses).
+(and the step-bounded progress bar and the garbage-collector freeze train.py uses).
 
 Each takes typed keyword arguments, so LightningCLI can build it from YAML or the command line:
 ``--trainer.callbacks+=callbacks.StepTimer --trainer.callbacks.warmup_steps=2``.
 """
 
+from callbacks.gc_freeze import GCFreeze
 from callbacks.memory_snapshot import MemorySnapshot
 from callbacks.nvtx_ranges import NVTXRanges
 from callbacks.progress import StepsProgressBar
 from callbacks.step_timing import StepTimer
 from callbacks.throughput import MFUMonitor
 
-__all__ = ["MFUMonitor", "MemorySnapshot", "NVTXRanges", "StepTimer", "StepsProgressBar"]
+__all__ = ["GCFreeze", "MFUMonitor", "MemorySnapshot", "NVTXRanges", "StepTimer", "StepsProgressBar"]

@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
+from callbacks.gc_freeze import GCFreeze
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from callbacks.throughput import MFUMonitor
 from lm_systems.checkpoint_io import NonFiniteWeightsError, SafeCheckpointIO
@@ -125,8 +126,10 @@ class LMCLI(LightningCLI):
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
-        monitors = [MFUMonitor()] + ([LearningRateMonitor(logging_interval="step")] if trainer_config.get("logger") is not False else [])
-        callbacks += [monitor for monitor in monitors if not _has(callbacks, type(monitor))]
+        defaults = [MFUMonitor(), GCFreeze()]
+        if trainer_config.get("logger") is not False:
+            defaults.append(LearningRateMonitor(logging_interval="step"))
+        callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
 
     def _checkpoint_callbacks(self, configured: list[Any]) -> list[Checkpoint]:

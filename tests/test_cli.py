@@ -120,7 +120,7 @@ def test_profiling_config_builds_every_callback_and_the_profiler():
 def test_train_py_keeps_the_configured_callbacks(monkeypatch):
     monkeypatch.setattr(L.Trainer, "fit", lambda *args, **kwargs: None)  # build everything, train nothing
     cli = main(["fit", *PROFILING_ARGS])
-    assert PROFILING_CALLBACKS | {"StepCheckpoint", "CrashCheckpoint"} <= {type(c).__name__ for c in cli.trainer.callbacks}
+    assert PROFILING_CALLBACKS | {"StepCheckpoint", "CrashCheckpoint", "GCFreeze"} <= {type(c).__name__ for c in cli.trainer.callbacks}
 
 
 TINY = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",
