@@ -19,7 +19,8 @@ class GCFreeze(Callback):
     set a full pass off every few dozen steps: a host stall of a large part of a step, each time. Frozen objects
     are skipped by every later pass. By the end of the first step the model is built and compiled; a validation
     may compile graphs of its own, so what it leaves alive is frozen too. A collection runs first each time, so
-    no garbage is frozen. ``teardown`` unfreezes them, if nothing was frozen before the run.
+    no garbage is frozen. The run's end (``teardown``, or ``on_exception`` after a failure) unfreezes them, if
+    nothing was frozen before the run.
     """
 
     def __init__(self) -> None:
@@ -46,6 +47,13 @@ class GCFreeze(Callback):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._unfreeze()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._unfreeze()  # Lightning skips the callbacks' teardown after an exception
+
+    def _unfreeze(self) -> None:
         if self._unfreeze_at_end:
             gc.unfreeze()
         self._stepped, self._unfreeze_at_end = False, None

@@ -26,6 +26,7 @@ every segment, so that a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import shlex
 import statistics
 import tempfile
@@ -341,8 +342,10 @@ def main(argv: list[str] | None = None) -> None:
                 write(setups, measured, args)
 
             torch._dynamo.reset()  # each setup compiles afresh: a second shape would get a dynamic-shape graph
-            run_setup(setup, args.attention, args.warmup, args.steps, args.rounds, Path(workdir), device,
-                      args.train_py_flags, report)
+            # In a context of its own: the CLI's parser, left in a context variable, would keep the setup's
+            # models alive into the next one.
+            contextvars.copy_context().run(run_setup, setup, args.attention, args.warmup, args.steps, args.rounds,
+                                           Path(workdir), device, args.train_py_flags, report)
             free_memory(device)
 
 

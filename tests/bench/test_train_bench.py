@@ -1,6 +1,7 @@
 """bench.train on the CPU: both paths train the same setup, and the table carries the ratio rows."""
 
 import csv
+import weakref
 from unittest.mock import patch
 
 import pytest
@@ -10,6 +11,7 @@ from lm_systems.attention import registry
 from lm_systems.attention.naive import naive_attention
 from lm_systems.bench import train as bench
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.lit_module import LitLM
 
 
 def test_cpu_run_writes_both_paths_their_ratio_and_the_attention_ratio(tmp_path, monkeypatch):
@@ -94,3 +96,24 @@ def test_default_attention_leaves_out_the_cuda_kernel_on_the_cpu(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--attention", "fastest"])
     assert "--attention: invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_each_setup_lets_go_of_its_models_before_the_next(tmp_path, monkeypatch):
+    """Two xl models fill a GPU: the next setup can only start once the last one's are gone."""
+    monkeypatch.chdir(tmp_path)
+    made, alive = weakref.WeakSet(), []
+    for kind, method in ((LitLM, "setup"), (bench.PlainLoop, "step")):
+        def recording(self, *args, _original=getattr(kind, method), **kwargs):
+            made.add(self)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(kind, method, recording)
+    free_memory = bench.free_memory
+
+    def count_then_free(device):
+        free_memory(device)
+        alive.append(len(made))
+
+    monkeypatch.setattr(bench, "free_memory", count_then_free)
+    bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "naive", "--compile", "off",
+                "--rounds", "1", "--warmup", "1", "--steps", "1", "--out-dir", str(tmp_path / "out")])
+    assert alive == [0, 0]

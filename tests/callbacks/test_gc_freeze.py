@@ -3,6 +3,7 @@
 import gc
 
 import lightning.pytorch as L
+import pytest
 
 from callbacks import GCFreeze
 from tests.callbacks.tiny_training import RandomTokenLM, fit
@@ -54,3 +55,15 @@ def test_a_freeze_made_before_the_run_is_left_in_place(tmp_path):
         assert gc.get_freeze_count() >= frozen_before > 0
     finally:
         gc.unfreeze()
+
+
+class _Fail(L.Callback):
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == 2:
+            raise RuntimeError("failed mid-run")
+
+
+def test_a_run_that_fails_gives_its_objects_back(tmp_path):
+    with pytest.raises(RuntimeError, match="failed mid-run"):
+        fit(RandomTokenLM(), [GCFreeze(), _Fail()], tmp_path, max_steps=4)
+    assert gc.get_freeze_count() == 0
