@@ -11,7 +11,8 @@ train.py's fit pauses at the end of every segment while the plain loop trains a 
 per attention in ``--attention``, the one train.py runs first), each segment timed between two device
 synchronisations. A lent GPU's speed drifts by tens of percent over minutes; segments seconds apart see
 the same GPU, and each path compiles once. Both models are held at once: xl at context 1024 × 8 needs
-a GPU of more than 80 GB.
+a GPU of more than 80 GB. On a GPU each setup runs in a process of its own, which starts with the whole
+GPU's memory and no compiled graphs.
 
 The table gives each path's median segment time per step, tokens/s, MFU and peak memory (each path's
 own: the other's resident memory taken off), the ratio train.py / plain loop (median of the per-segment
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import queue
 import shlex
 import statistics
 import tempfile
@@ -91,7 +93,7 @@ class Rounds:
     """What one setup's runs measured, segment by segment."""
 
     train_py: list[Measurement] = field(default_factory=list)
-    plain: dict[str, list[Measurement]] = field(default_factory=lambda: defaultdict(list))  # per attention
+    plain: dict[str, list[Measurement]] = field(default_factory=dict)  # per attention
 
 
 def train_py_args(setup: Setup, max_steps: int, workdir: Path, device: torch.device) -> list[str]:
@@ -195,7 +197,7 @@ class _Interleave(Callback):
             peak = peak_memory_gib(device) - self._held["plain"]
             self.rounds.train_py.append(Measurement(ms, max(peak, self._warmup_peak["train_py"])))
             for name in self._attentions:
-                self.rounds.plain[name].append(self._plain_segment(name, self._steps, device))
+                self.rounds.plain.setdefault(name, []).append(self._plain_segment(name, self._steps, device))
             self._on_round()
         reset_peak_memory(device)
         self._started = time.perf_counter()
@@ -222,22 +224,57 @@ class _Interleave(Callback):
         return Measurement(ms, max(peak, self._warmup_peak["plain"]))
 
 
-def run_setup(setup: Setup, attentions: list[str], warmup: int, steps: int, rounds: int, workdir: Path,
-              device: torch.device, extra_flags: list[str], on_round: Callable[[Rounds], None]) -> Rounds:
-    """train.py and the plain loop on ``setup``, interleaved for ``rounds`` segments of ``steps`` steps; the
-    plain loop also in each other attention of ``attentions``. ``on_round`` gets the rounds so far after each."""
+def run_setup(setup: Setup, args: argparse.Namespace, workdir: Path, on_round: Callable[[Rounds], None]) -> None:
+    """train.py and the plain loop on ``setup``, interleaved for ``args.rounds`` segments of ``args.steps`` steps;
+    the plain loop also in each other attention of ``args.attention``. ``on_round`` gets the rounds after each."""
+    total = args.warmup + args.rounds * args.steps
     with warnings.catch_warnings():  # that args and the bench's own sys.argv both exist is intended here
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = train_py([*train_py_args(setup, warmup + rounds * steps, workdir, device), *extra_flags], run=False)
-    measured = Rounds()
+        cli = train_py([*train_py_args(setup, total, workdir, args.device), *args.train_py_flags], run=False)
     plain_data = LMDataModule(context_length=setup.context, batch_size=setup.batch_size)
     plain_data.prepare_data()
-    order = [setup.attention, *(name for name in attentions if name != setup.attention)]
-    interleave = _Interleave(lambda: PlainLoop(setup, plain_data, device, warmup + rounds * steps), order, warmup,
-                             steps, measured, lambda: on_round(measured))
+    order = [setup.attention, *(name for name in args.attention if name != setup.attention)]
+    measured = Rounds()
+    interleave = _Interleave(lambda: PlainLoop(setup, plain_data, args.device, total), order, args.warmup,
+                             args.steps, measured, lambda: on_round(measured))
     cli.trainer.callbacks.append(interleave)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    return measured
+
+
+def run_setup_here(setup: Setup, args: argparse.Namespace, workdir: Path, on_round: Callable[[Rounds], None]) -> None:
+    """``run_setup`` in this process, leaving nothing of the setup behind."""
+    torch._dynamo.reset()  # a compiled setup starts afresh: a second shape would get a dynamic-shape graph
+    # In a context of its own: the CLI's parser, left in a context variable, would keep the models alive.
+    contextvars.copy_context().run(run_setup, setup, args, workdir, on_round)
+    free_memory(args.device)
+
+
+def run_setup_in_own_process(setup: Setup, args: argparse.Namespace, workdir: Path,
+                             on_round: Callable[[Rounds], None]) -> None:
+    """``run_setup`` in a spawned process, which starts with the whole GPU; its rounds come back as each ends."""
+    context = torch.multiprocessing.get_context("spawn")
+    rounds_queue = context.Queue()
+    process = context.Process(target=_run_and_send, args=(setup, args, workdir, rounds_queue), daemon=True)
+    process.start()
+    while True:
+        try:
+            rounds = rounds_queue.get(timeout=5)
+        except queue.Empty:
+            if process.is_alive():
+                continue
+            break
+        if rounds is None:  # the setup is done
+            break
+        on_round(rounds)
+    process.join()
+    if process.exitcode:
+        raise RuntimeError(f"{setup.label} failed in its process (exit code {process.exitcode}): its error is "
+                           "printed above; the rounds it finished are in the results")
+
+
+def _run_and_send(setup: Setup, args: argparse.Namespace, workdir: Path, rounds_queue: Any) -> None:
+    run_setup(setup, args, workdir, rounds_queue.put)
+    rounds_queue.put(None)
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -328,10 +365,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = args.device
     setups = [Setup(args.size, context, batch, args.precision, attention, mode == "on")
               for context, batch in args.shapes for mode in args.compile for attention in args.attention]
     measured: dict[Setup, Rounds] = {}
+    # On a GPU each setup runs in a process of its own, which starts with the whole GPU's memory and no compiled
+    # graphs; on the CPU in this one.
+    run = run_setup_in_own_process if args.device.type == "cuda" else run_setup_here
     with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
         for setup in setups:
             def report(rounds: Rounds, setup: Setup = setup) -> None:
@@ -341,12 +380,7 @@ def main(argv: list[str] | None = None) -> None:
                 measured[setup] = rounds
                 write(setups, measured, args)
 
-            torch._dynamo.reset()  # each setup compiles afresh: a second shape would get a dynamic-shape graph
-            # In a context of its own: the CLI's parser, left in a context variable, would keep the setup's
-            # models alive into the next one.
-            contextvars.copy_context().run(run_setup, setup, args.attention, args.warmup, args.steps, args.rounds,
-                                           Path(workdir), device, args.train_py_flags, report)
-            free_memory(device)
+            run(setup, args, Path(workdir), report)
 
 
 def write(setups: list[Setup], measured: dict[Setup, Rounds], args: argparse.Namespace) -> None:

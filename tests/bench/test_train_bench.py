@@ -117,3 +117,25 @@ def test_each_setup_lets_go_of_its_models_before_the_next(tmp_path, monkeypatch)
     bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "naive", "--compile", "off",
                 "--rounds", "1", "--warmup", "1", "--steps", "1", "--out-dir", str(tmp_path / "out")])
     assert alive == [0, 0]
+
+
+TINY_RUN = ["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "--compile", "off", "--rounds", "2",
+            "--warmup", "1", "--steps", "2", "--device", "cpu"]
+
+
+def test_a_setup_in_its_own_process_sends_each_round_back(tmp_path, monkeypatch):
+    """What the bench does on a GPU, run on the CPU: a spawned process per setup."""
+    monkeypatch.chdir(tmp_path)
+    args = bench.parse_args(TINY_RUN)
+    received = []
+    bench.run_setup_in_own_process(bench.Setup("tiny", 32, 2, "bf16-mixed", "sdpa", False), args, tmp_path,
+                                   lambda rounds: received.append(len(rounds.train_py)))
+    assert received == [1, 2]
+
+
+def test_a_setup_that_fails_in_its_own_process_says_which(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = bench.parse_args([*TINY_RUN, "--train-py-flags", "--model.lr -1"])
+    with pytest.raises(RuntimeError, match=r"tiny ctx32×2 bf16-mixed sdpa failed in its process \(exit code 2\)"):
+        bench.run_setup_in_own_process(bench.Setup("tiny", 32, 2, "bf16-mixed", "sdpa", False), args, tmp_path,
+                                       lambda rounds: None)
