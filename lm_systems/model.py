@@ -73,7 +73,7 @@ class CausalSelfAttention(nn.Module):
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, dh)
         q, k = self.rope(q), self.rope(k)
-        attend = get_attention(self.attention_name, x.device)
+        attend = get_attention(self.attention_name, q)
         y = attend(q, k, v, True)  # (B, H, T, dh)
         return self.out(y.transpose(1, 2).reshape(B, T, D))
 

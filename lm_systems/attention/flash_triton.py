@@ -225,7 +225,12 @@ class FlashAttention2Triton(_FlashAttention2TritonFunction):
         return _FlashAttention2TritonFunction.apply(q, k, v, is_causal)
 
 
-@register_attention("flash_triton")
+def _faster_when_compiled(q: torch.Tensor) -> bool:
+    """Where ``auto`` takes flash_triton inside torch.compile: fp16 / bf16 on CUDA, in the kernels' head dims."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM
+
+
+@register_attention("flash_triton", when_compiled=_faster_when_compiled)
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """FlashAttention-2 in Triton (fp16 / bf16 / fp32, head dims 16..128)."""
     return FlashAttention2Triton.apply(q, k, v, is_causal)

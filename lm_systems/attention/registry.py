@@ -10,20 +10,26 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.T
 
 _REGISTRY: dict[str, AttentionFn] = {}
 
-# Preference order for ``auto``: the first registered name that exists is taken. On CUDA, sdpa: inside the
-# training step it measured as fast as flash_triton or faster at every model shape benchmarked, contexts 512
-# to 2048 (benchmarks/results/train_step.md).
-_AUTO_ON_CUDA = ("sdpa",)
-_AUTO_ON_CPU = ("sdpa",)
+# ``auto``: sdpa, except inside torch.compile, where the first implementation registered with ``when_compiled``
+# that takes the query is chosen (flash_triton for fp16 / bf16 on CUDA). So chosen, each was the faster in the
+# xl training step, eager and compiled, at contexts 512 and 2048 (benchmarks/results/train_step.md): compiled,
+# Inductor launches flash_triton's kernels itself; eager, each of its launches goes through Triton's launcher.
+_AUTO = "sdpa"
+_AUTO_WHEN_COMPILED: list[tuple[str, Callable[[torch.Tensor], bool]]] = []
 
 
-def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    """Decorator: make ``fn`` available to the model as ``attention=name``."""
+def register_attention(
+    name: str, when_compiled: Callable[[torch.Tensor], bool] | None = None
+) -> Callable[[AttentionFn], AttentionFn]:
+    """Decorator: make ``fn`` available to the model as ``attention=name``; ``auto`` takes it inside
+    torch.compile for the queries ``when_compiled(q)`` accepts."""
 
     def decorator(fn: AttentionFn) -> AttentionFn:
         if name in _REGISTRY or name == "auto":
             raise ValueError(f"attention {name!r} is already registered")
         _REGISTRY[name] = fn
+        if when_compiled is not None:
+            _AUTO_WHEN_COMPILED.append((name, when_compiled))
         return fn
 
     return decorator
@@ -34,13 +40,15 @@ def attention_names() -> list[str]:
     return ["auto", *sorted(_REGISTRY)]
 
 
-def resolve_attention_name(name: str, device: torch.device | str | None = None) -> str:
-    """Map ``auto`` to the fastest correct implementation for ``device``; check other names."""
+def resolve_attention_name(name: str, query: torch.Tensor | None = None) -> str:
+    """Map ``auto`` to the implementation measured fastest for ``query`` where it runs (eager or inside
+    torch.compile); without a query, to the eager choice. Check other names."""
     if name == "auto":
-        on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
-        for candidate in _AUTO_ON_CUDA if on_cuda else _AUTO_ON_CPU:
-            if candidate in _REGISTRY:
-                return candidate
+        if query is not None and torch.compiler.is_compiling():
+            for candidate, takes in _AUTO_WHEN_COMPILED:
+                if takes(query):
+                    return candidate
+        return _AUTO
     if name not in _REGISTRY:
         raise ValueError(
             f"unknown attention {name!r} (set --model.attention to one of: {', '.join(attention_names())})"
@@ -48,6 +56,12 @@ def resolve_attention_name(name: str, device: torch.device | str | None = None) 
     return name
 
 
-def get_attention(name: str, device: torch.device | str | None = None) -> AttentionFn:
-    """The attention function registered as ``name`` (``auto`` resolved for ``device``)."""
-    return _REGISTRY[resolve_attention_name(name, device)]
+def get_attention(name: str, query: torch.Tensor | None = None) -> AttentionFn:
+    """The attention function registered as ``name`` (``auto`` resolved for ``query``)."""
+    return _REGISTRY[resolve_attention_name(name, query)]
+
+
+def describe_auto() -> str:
+    """What ``auto`` runs, in words."""
+    compiled = ", ".join(name for name, _ in _AUTO_WHEN_COMPILED)
+    return f"{_AUTO}, {compiled} inside torch.compile where it takes the inputs" if compiled else _AUTO

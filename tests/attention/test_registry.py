@@ -1,11 +1,12 @@
 """The attention registry and the two reference implementations."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lm_systems.attention import get_attention, register_attention, resolve_attention_name
+from lm_systems.attention import describe_auto, get_attention, register_attention, registry, resolve_attention_name
 
 
 def float64_attention(q, k, v, is_causal):
@@ -30,11 +31,30 @@ def test_reference_implementations_match_float64(name, is_causal, n_q, n_k):
     torch.testing.assert_close(out, float64_attention(q, k, v, is_causal), rtol=1e-10, atol=1e-10)
 
 
-def test_auto_resolves_to_the_fastest_implementation_for_the_device():
-    assert resolve_attention_name("auto", "cpu") == "sdpa"
-    assert get_attention("auto", "cpu") is get_attention("sdpa")
-    # sdpa on CUDA too: it trained the xl model faster than flash_triton at every context measured.
-    assert resolve_attention_name("auto", "cuda") == "sdpa"
+def test_auto_is_sdpa_in_eager_and_the_registered_choice_inside_torch_compile(monkeypatch):
+    half, full = torch.randn(1, 2, 8, 16, dtype=torch.float16), torch.randn(1, 2, 8, 16)
+    monkeypatch.setattr(registry, "_AUTO_WHEN_COMPILED", [("naive", lambda q: q.dtype == torch.float16)])
+    assert resolve_attention_name("auto") == resolve_attention_name("auto", half) == "sdpa"
+    assert get_attention("auto", half) is get_attention("sdpa")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert resolve_attention_name("auto", half) == "naive"
+    assert resolve_attention_name("auto", full) == "sdpa"  # the predicate declines: the default stays
+    assert resolve_attention_name("auto") == "sdpa"  # no query to judge
+
+
+def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_queries():
+    pytest.importorskip("triton")
+    from lm_systems.attention.flash_triton import _faster_when_compiled
+
+    def query(is_cuda=True, dtype=torch.bfloat16, head_dim=64):
+        return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 25, 512, head_dim))
+
+    assert ("flash_triton", _faster_when_compiled) in registry._AUTO_WHEN_COMPILED
+    assert _faster_when_compiled(query()) and _faster_when_compiled(query(dtype=torch.float16))
+    assert not _faster_when_compiled(query(dtype=torch.float32))  # its fp32 path is for correctness
+    assert not _faster_when_compiled(query(is_cuda=False))
+    assert not _faster_when_compiled(query(head_dim=256))
+    assert "flash_triton inside torch.compile" in describe_auto()
 
 
 def test_unknown_name_lists_valid_ones_and_duplicates_are_refused():
@@ -42,3 +62,21 @@ def test_unknown_name_lists_valid_ones_and_duplicates_are_refused():
         get_attention("nope")
     with pytest.raises(ValueError, match="already registered"):
         register_attention("naive")(lambda q, k, v, c: q)
+
+
+def test_auto_dispatches_inside_a_compiled_graph_without_a_break(monkeypatch):
+    """The choice is made while Dynamo traces (``is_compiling()`` is true there), in one graph."""
+    traced = []
+    naive = get_attention("naive")
+
+    def counted_naive(*args):
+        traced.append("naive")
+        return naive(*args)
+
+    monkeypatch.setitem(registry._REGISTRY, "naive", counted_naive)
+    monkeypatch.setattr(registry, "_AUTO_WHEN_COMPILED", [("naive", lambda q: q.dtype == torch.float32)])
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: get_attention("auto", q)(q, k, v, True), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), naive(q, k, v, True))
+    assert traced == ["naive"]  # traced once, into the graph
+    assert get_attention("auto", q) is get_attention("sdpa")  # and sdpa outside it
