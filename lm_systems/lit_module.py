@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from lm_systems.attention import describe_auto, resolve_attention_name
+from lm_systems.attention import describe_attention, resolve_attention_name
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
 from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy, divergence_advice
@@ -152,7 +152,7 @@ class LitLM(L.LightningModule):
         rank_zero_info(
             f"TransformerLM {self.hparams.size}: {self.model.num_parameters() / 1e6:.2f}M parameters, "
             f"{self.model.flops_per_token(data_context) / 1e6:.1f} MFLOP/token (training), "
-            f"attention={self.config.attention if self.config.attention != 'auto' else 'auto: ' + describe_auto()}"
+            f"attention={describe_attention(self.config.attention, self.hparams.compile)}"
         )
 
     def _compile_model(self) -> None:

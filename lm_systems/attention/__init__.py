@@ -11,7 +11,7 @@ import importlib.util
 from lm_systems.attention.registry import (
     AttentionFn,
     attention_names,
-    describe_auto,
+    describe_attention,
     get_attention,
     register_attention,
     resolve_attention_name,
@@ -26,7 +26,7 @@ __all__ = [
     "AttentionFn",
     "FlashAttention2Torch",
     "attention_names",
-    "describe_auto",
+    "describe_attention",
     "get_attention",
     "register_attention",
     "resolve_attention_name",

@@ -61,7 +61,11 @@ def get_attention(name: str, query: torch.Tensor | None = None) -> AttentionFn:
     return _REGISTRY[resolve_attention_name(name, query)]
 
 
-def describe_auto() -> str:
-    """What ``auto`` runs, in words."""
-    compiled = ", ".join(name for name, _ in _AUTO_WHEN_COMPILED)
-    return f"{_AUTO}, {compiled} inside torch.compile where it takes the inputs" if compiled else _AUTO
+def describe_attention(name: str, compiled: bool) -> str:
+    """What ``name`` runs, in words: ``auto`` in eager code is its eager choice; compiled, it may differ per query."""
+    if name != "auto":
+        return name
+    choices = ", ".join(candidate for candidate, _ in _AUTO_WHEN_COMPILED)
+    if not compiled or not choices:
+        return _AUTO
+    return f"auto: {choices} inside torch.compile where it takes the inputs, else {_AUTO}"

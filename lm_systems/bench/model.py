@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from lm_systems.attention import attention_names, describe_auto
+from lm_systems.attention import attention_names, describe_attention
 from lm_systems.bench.device import add_device_arg, free_memory, peak_memory_gib, reset_peak_memory, timed
 from lm_systems.bench.report import argument_parser, line_plot, write_results
 from lm_systems.config import MODEL_SIZES, ModelConfig
@@ -151,7 +151,7 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             case = Case(size, context, mode, precision, attention, args.compile, warmup, args.steps, args.batch_size,
                         args.vocab_size)
             rows.append({
-                **asdict(case), "attention": attention if attention != "auto" else f"auto: {describe_auto()}",
+                **asdict(case), "attention": describe_attention(attention, args.compile),
                 "params_M": model.num_parameters() / 1e6 if model is not None else "",
                 "residual_MiB": residual_bytes(case) / 2**20,
                 **_measure_recording_failures(model, case, args.device),

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lm_systems.attention import describe_auto, get_attention, register_attention, registry, resolve_attention_name
+from lm_systems.attention import describe_attention, get_attention, register_attention, registry, resolve_attention_name
 
 
 def float64_attention(q, k, v, is_causal):
@@ -54,7 +54,8 @@ def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_qu
     assert not _faster_when_compiled(query(dtype=torch.float32))  # its fp32 path is for correctness
     assert not _faster_when_compiled(query(is_cuda=False))
     assert not _faster_when_compiled(query(head_dim=256))
-    assert "flash_triton inside torch.compile" in describe_auto()
+    assert "flash_triton inside torch.compile" in describe_attention("auto", compiled=True)
+    assert describe_attention("auto", compiled=False) == "sdpa" and describe_attention("naive", True) == "naive"
 
 
 def test_unknown_name_lists_valid_ones_and_duplicates_are_refused():
