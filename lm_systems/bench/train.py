@@ -46,7 +46,7 @@ from lightning.pytorch import Callback, Trainer
 
 from lm_systems.attention import attention_names
 from lm_systems.bench.device import (add_device_arg, allocated_gib, free_memory, peak_memory_gib, reset_peak_memory,
-                                     synchronize)
+                                     synchronize, timed)
 from lm_systems.bench.report import argument_parser, write_results
 from lm_systems.cli import main as train_py
 from lm_systems.config import MODEL_SIZES, ModelConfig
@@ -214,12 +214,7 @@ class _Interleave(Callback):
     def _plain_segment(self, attention: str, steps: int, device: torch.device) -> Measurement:
         self._plain.use_attention(attention)
         reset_peak_memory(device)
-        synchronize(device)
-        started = time.perf_counter()
-        for _ in range(steps):
-            self._plain.step()
-        synchronize(device)
-        ms = 1e3 * (time.perf_counter() - started) / steps
+        ms = 1e3 * timed(lambda: [self._plain.step() for _ in range(steps)], device) / steps
         peak = peak_memory_gib(device) - self._held["train_py"]
         return Measurement(ms, max(peak, self._warmup_peak["plain"]))
 

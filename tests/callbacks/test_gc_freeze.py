@@ -6,7 +6,7 @@ import lightning.pytorch as L
 import pytest
 
 from callbacks import GCFreeze
-from tests.callbacks.tiny_training import RandomTokenLM, fit
+from tiny_training import RandomTokenLM, fit
 
 
 def _frozen(obj: object) -> bool:
