@@ -13,7 +13,7 @@ if sys.platform != "linux":  # triton is a dependency on Linux only; there a bro
 
 from attention_reference import reference_attention, rel_error  # noqa: E402
 from test_flash_triton import BOUNDS, _check_against_reference, _grads, _inputs  # noqa: E402
-from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: E402
+from lm_systems.attention.flash_triton import _EAGER_KERNELS, FlashAttention2Triton  # noqa: E402
 from lm_systems.attention.flash_triton_autotune import AUTOTUNE_ENV  # noqa: E402
 from lm_systems.config import ModelConfig  # noqa: E402
 from lm_systems.model import TransformerLM  # noqa: E402
@@ -53,6 +53,21 @@ def test_autotuned_benchmark_shape(d, monkeypatch):
         want = _grads(lambda *a: reference_attention(*a, True)[0], qh, kh, vh, grad_out[:, h])
         for name, t, r in zip("qkv", (q, k, v), want):
             assert rel_error(t.grad[:, h], r) < BOUNDS[torch.bfloat16]["grad"], name
+
+
+def test_repeated_eager_calls_through_the_launch_cache_match_float64_reference():
+    """Eager calls after the first of a key launch the compiled kernels directly: fresh inputs, inputs at an
+    address off the 16-byte alignment (another key) and another length must all still be right."""
+    shape = ((2, 3), 300, 300, 64, torch.bfloat16)
+    for _ in range(2):
+        _check_against_reference(*_inputs(*shape), True)
+    assert all(len(kernel) > 0 for kernel in _EAGER_KERNELS)
+    lead, n, _, d, dtype = shape
+    offset = torch.randn(*lead, n * d + 1, dtype=dtype, device="cuda")[..., 1:].unflatten(-1, (n, d))
+    _, k, v = _inputs(*shape)
+    for _ in range(2):
+        _check_against_reference(offset, k, v, True)
+        _check_against_reference(*_inputs(lead, 257, 257, d, dtype), True)
 
 
 def test_works_inside_torch_compile():
