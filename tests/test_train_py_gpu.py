@@ -74,7 +74,7 @@ def test_strategy_and_precision_on_one_gpu(strategy, precision, tmp_path, cache_
     assert_trained(tmp_path)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
+@pytest.mark.parametrize("attention", ["auto", "sdpa", "flash_triton"])
 def test_compiled(attention, tmp_path, cache_dir):
     train_py(tmp_path, cache_dir, "--model.compile", "true", "--model.attention", attention, "--precision", "bf16-mixed")
     assert_trained(tmp_path)
