@@ -2,9 +2,10 @@
 
 ``kernel[grid](*args, **kwargs)`` through Triton binds and specializes every argument, looks up the tuned
 config (for an autotuned kernel) and the compiled kernel, and only then launches: host work that, four
-launches per layer, sets the pace of an eager training step. ``CachedLaunch(kernel)[grid](*args, **kwargs)`` launches the same kernel: the
-first call with a given launch key goes through Triton (tuning and compiling as usual); later calls with
-that key launch the compiled kernel it returned directly, with the tuned config's meta-parameters.
+launches per layer, sets the pace of an eager training step. ``CachedLaunch(kernel)[grid](*args, **kwargs)``
+launches the same kernel: the first call with a given launch key goes through Triton (tuning and compiling
+as usual); later calls with that key launch the compiled kernel it returned directly, with the tuned
+config's meta-parameters.
 
 The launch key is everything Triton specializes a compiled kernel on: each tensor's dtype, device and
 16-byte alignment, the exact value of every other positional argument, and the keyword arguments. Tensor
