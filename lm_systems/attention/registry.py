@@ -11,9 +11,9 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.T
 _REGISTRY: dict[str, AttentionFn] = {}
 
 # ``auto``: sdpa, except inside torch.compile, where the first implementation registered with ``when_compiled``
-# that takes the query is chosen (flash_triton for fp16 / bf16 on CUDA). So chosen, each was the faster in the
-# xl training step, eager and compiled, at contexts 512 and 2048 (benchmarks/results/train_step.md): compiled,
-# Inductor launches flash_triton's kernels itself; eager, each of its launches goes through Triton's launcher.
+# that takes the query is chosen (flash_triton for fp16 / bf16 on CUDA). Compiled, Inductor launches
+# flash_triton's kernels itself; eager, its Python autograd path costs more host time than sdpa on a host-bound
+# step (benchmarks/results/train_step.md, docs/attention.md).
 _AUTO = "sdpa"
 _AUTO_WHEN_COMPILED: list[tuple[str, Callable[[torch.Tensor], bool]]] = []
 
@@ -41,8 +41,8 @@ def attention_names() -> list[str]:
 
 
 def resolve_attention_name(name: str, query: torch.Tensor | None = None) -> str:
-    """Map ``auto`` to the implementation measured fastest for ``query`` where it runs (eager or inside
-    torch.compile); without a query, to the eager choice. Check other names."""
+    """Map ``auto`` to its choice for ``query`` where it runs (eager or inside torch.compile); without a query,
+    to the eager choice. Check other names."""
     if name == "auto":
         if query is not None and torch.compiler.is_compiling():
             for candidate, takes in _AUTO_WHEN_COMPILED:
