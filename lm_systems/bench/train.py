@@ -281,9 +281,10 @@ def flops_per_token(setup: Setup, vocab_size: int) -> float:
         return TransformerLM(config).flops_per_token(setup.context)
 
 
-def _ratio_row(label: str, path: str, ratios: list[float], memory: float | str = "") -> dict:
-    return {"setup": label, "path": path, "rounds": len(ratios), "ms_per_step": statistics.median(ratios),
-            "min_ms": min(ratios), "max_ms": max(ratios), "peak_GiB": memory}
+def _median_row(label: str, path: str, values: list[float], **columns: Any) -> dict:
+    """A table row: the median of per-segment ``values`` with their range, then ``columns``."""
+    return {"setup": label, "path": path, "rounds": len(values), "ms_per_step": statistics.median(values),
+            "min_ms": min(values), "max_ms": max(values), **columns}
 
 
 def summary_rows(setup: Setup, measured: Rounds, vocab_size: int, device: torch.device) -> list[dict]:
@@ -294,16 +295,12 @@ def summary_rows(setup: Setup, measured: Rounds, vocab_size: int, device: torch.
     rows = []
     for path, segments in runs.items():
         ms = statistics.median(m.ms_per_step for m in segments)
-        rows.append({
-            "setup": setup.label, "path": path, "rounds": len(segments), "ms_per_step": ms,
-            "min_ms": min(m.ms_per_step for m in segments), "max_ms": max(m.ms_per_step for m in segments),
-            "tokens_per_s": tokens / ms * 1e3,
-            "mfu": flops * tokens / (ms * 1e-3) / peak if peak else "",
-            "peak_GiB": max(m.peak_gib for m in segments),
-        })
+        rows.append(_median_row(setup.label, path, [m.ms_per_step for m in segments],
+                                tokens_per_s=tokens / ms * 1e3, mfu=flops * tokens / (ms * 1e-3) / peak if peak else "",
+                                peak_GiB=max(m.peak_gib for m in segments)))
     ratios = [a.ms_per_step / b.ms_per_step for a, b in zip(*runs.values())]
     memory = max(m.peak_gib for m in runs["train_py"]) / max(m.peak_gib for m in runs["plain"])
-    return rows + [_ratio_row(setup.label, "train_py / plain", ratios, memory)]
+    return rows + [_median_row(setup.label, "train_py / plain", ratios, peak_GiB=memory)]
 
 
 def attention_rows(setups: list[Setup], measured: dict[Setup, Rounds], attentions: list[str]) -> list[dict]:
@@ -315,7 +312,7 @@ def attention_rows(setups: list[Setup], measured: dict[Setup, Rounds], attention
             plain = measured[same_shape].plain if same_shape in measured else {}
             for name in attentions[1:]:
                 ratios[name] += [a.ms_per_step / b.ms_per_step for a, b in zip(plain.get(name, []), plain.get(first, []))]
-        rows += [_ratio_row(setup.shape_label, f"plain {name} / {first}", values)
+        rows += [_median_row(setup.shape_label, f"plain {name} / {first}", values)
                  for name, values in ratios.items() if values]
     return rows
 
