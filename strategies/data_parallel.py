@@ -19,9 +19,7 @@ all-reduces use at most that many thread blocks (leaving the other SMs to backwa
 the mean back. The strategies that communicate during backward (overlap_ddp, bucketed_ddp, zero1) also
 take ``launch_thread`` (default on): the all-reduces are launched from a thread of their own instead of
 from the gradient hooks on autograd's thread, which keeps them from delaying backward's own launches on
-launch-bound hosts. bucketed_ddp and zero1 take
-``allreduce``: ``"process_group"`` (default) or ``"copy_engine"`` (one node of CUDA GPUs: buckets averaged
-by peer copies over symmetric memory, which use copy engines instead of SMs; see lm_systems/parallel/peer_copy.py).
+launch-bound hosts.
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ from typing_extensions import override
 
 from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP,
                                  gradient_process_group)
-from lm_systems.parallel.bucketed import ALLREDUCE_CHOICES, AllReduce
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -185,23 +182,12 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
     strategy_name = "bucketed_ddp"
     strategy_description = "DDPBucketed: bucketed all-reduce overlapped with backward"
 
-    def __init__(self, bucket_size_mb: float = 25.0, allreduce: AllReduce = "process_group", **kwargs: Any) -> None:
+    def __init__(self, bucket_size_mb: float = 25.0, **kwargs: Any) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb} (strategy init_args.bucket_size_mb)")
-        if allreduce not in ALLREDUCE_CHOICES:
-            raise ValueError(f"allreduce must be one of {ALLREDUCE_CHOICES}, got {allreduce!r} "
-                             "(strategy init_args.allreduce)")
-        if allreduce == "copy_engine" and (kwargs.get("comm_max_ctas") or kwargs.get("grad_comm_dtype")):
-            raise ValueError("allreduce='copy_engine' takes neither comm_max_ctas nor grad_comm_dtype: its copies use "
-                             "no thread blocks and send gradients in their own dtype (strategy init_args)")
         super().__init__(**kwargs)
         self._bucket_size_mb = bucket_size_mb
-        self._allreduce = allreduce
 
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
-        if self._allreduce == "copy_engine" and self.num_nodes > 1:
-            raise ValueError(f"allreduce='copy_engine' averages over the GPUs of one node, not {self.num_nodes} nodes: "
-                             "use allreduce='process_group' (strategy init_args.allreduce)")
-        return DDPBucketed(module, bucket_size_mb=self._bucket_size_mb, launch_thread=self._launch_thread,
-                           allreduce=self._allreduce, **comm)
+        return DDPBucketed(module, bucket_size_mb=self._bucket_size_mb, launch_thread=self._launch_thread, **comm)

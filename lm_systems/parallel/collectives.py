@@ -19,31 +19,33 @@ def require_process_group(who: str) -> None:
 
 
 class PendingAverage:
-    """An in-flight all-reduce; once ``wait()`` returns, the mean over ranks is in the averaged tensor."""
+    """In-flight all-reduces; once ``wait()`` returns, the mean over ranks is in the averaged tensors."""
 
-    __slots__ = ("_sent", "_work", "_divisor", "_target")
+    __slots__ = ("_sent", "_work", "_divisor", "_targets")
 
-    def __init__(self, sent: torch.Tensor, work: dist.Work, divisor: int | None, target: torch.Tensor) -> None:
-        self._sent, self._work, self._divisor, self._target = sent, work, divisor, target
+    def __init__(self, sent: list[torch.Tensor], work: dist.Work, divisor: int | None,
+                 targets: list[torch.Tensor]) -> None:
+        self._sent, self._work, self._divisor, self._targets = sent, work, divisor, targets
 
-    def wait(self) -> torch.Tensor:
-        """Wait, then return the averaged tensor (the one given to ``GradientAverager.start``)."""
+    def wait(self) -> list[torch.Tensor]:
+        """Wait, then return the averaged tensors (the ones given to ``GradientAverager.start``)."""
         self._work.wait()
         if self._divisor is not None:
-            self._sent.div_(self._divisor)
-        if self._sent is not self._target:
-            self._target.copy_(self._sent)
-        return self._target
+            torch._foreach_div_(self._sent, self._divisor)
+        if self._sent is not self._targets:
+            torch._foreach_copy_(self._targets, self._sent)
+        return self._targets
 
 
 class GradientAverager:
     """Starts averaging all-reduces on one process group, with the per-call work done once, up front.
 
-    Launches go straight to the group's ``allreduce`` with prepared options: a data-parallel container
-    issues hundreds per step from autograd's thread, and ``dist.all_reduce``'s argument checks cost as
-    much as the launch itself. NCCL averages in the reduction (``ReduceOp.AVG``); gloo has no AVG, so it
-    sums and divides after the wait. With ``comm_dtype`` (e.g. bf16 for fp32 gradients) the tensor is cast
-    for the wire and the mean cast back into it: half the bytes, at bf16's precision for the sum.
+    Launches go straight to the group's ``allreduce`` (one tensor) or ``allreduce_coalesced`` (several: on
+    NCCL one grouped launch, no flattening copy) with prepared options: a data-parallel container issues
+    hundreds per step from autograd's thread, and ``dist.all_reduce``'s argument checks cost as much as
+    the launch itself. NCCL averages in the reduction (``ReduceOp.AVG``); gloo has no AVG, so it sums and
+    divides after the wait. With ``comm_dtype`` (e.g. bf16 for fp32 gradients) the tensors are cast for
+    the wire and the mean cast back into them: half the bytes, at bf16's precision for the sum.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, comm_dtype: torch.dtype | None = None) -> None:
@@ -51,23 +53,30 @@ class GradientAverager:
         self.world_size = dist.get_world_size(self.group)
         self.comm_dtype = comm_dtype
         self._nccl = "nccl" in str(dist.get_backend(self.group)).lower()
-        self._avg = _allreduce_options(dist.ReduceOp.AVG)
-        self._sum = _allreduce_options(dist.ReduceOp.SUM)
+        self._avg = _allreduce_options(dist.AllreduceOptions, dist.ReduceOp.AVG)
+        self._sum = _allreduce_options(dist.AllreduceOptions, dist.ReduceOp.SUM)
+        self._avg_many = _allreduce_options(dist.AllreduceCoalescedOptions, dist.ReduceOp.AVG)
+        self._sum_many = _allreduce_options(dist.AllreduceCoalescedOptions, dist.ReduceOp.SUM)
 
-    def start(self, tensor: torch.Tensor) -> PendingAverage:
-        """Start averaging ``tensor`` in place over the group's ranks."""
-        sent = tensor if self.comm_dtype in (None, tensor.dtype) else tensor.to(self.comm_dtype)
-        native_avg = self._nccl and tensor.is_cuda
-        work = self.group.allreduce([sent], self._avg if native_avg else self._sum)
-        return PendingAverage(sent, work, None if native_avg else self.world_size, tensor)
+    def start(self, tensors: list[torch.Tensor]) -> PendingAverage:
+        """Start averaging ``tensors`` (one device and dtype) in place over the group's ranks."""
+        sent = tensors
+        if self.comm_dtype is not None and self.comm_dtype != tensors[0].dtype:
+            sent = [t.to(self.comm_dtype) for t in tensors]
+        native_avg = self._nccl and tensors[0].is_cuda
+        if len(sent) == 1:
+            work = self.group.allreduce(sent, self._avg if native_avg else self._sum)
+        else:
+            work = self.group.allreduce_coalesced(sent, self._avg_many if native_avg else self._sum_many)
+        return PendingAverage(sent, work, None if native_avg else self.world_size, tensors)
 
     def average(self, tensor: torch.Tensor) -> torch.Tensor:
         """Average ``tensor`` in place and wait for it."""
-        return self.start(tensor).wait()
+        return self.start([tensor]).wait()[0]
 
 
-def _allreduce_options(op: dist.ReduceOp) -> dist.AllreduceOptions:
-    options = dist.AllreduceOptions()
+def _allreduce_options(kind: type, op: dist.ReduceOp):
+    options = kind()
     options.reduceOp = op
     return options
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Iterator
 from functools import partial
 
@@ -42,10 +41,11 @@ class OverlappedDDP(DataParallelModule):
         self._arrived = [False] * len(self._params)  # per parameter: accumulated in this syncing backward
         self._got_grad = [False] * len(self._params)  # per parameter: accumulated since the last synchronisation
         self._next_unit = 0
+        self._zeros: dict[tuple[int, int], torch.Tensor] = {}  # (unit, index): sent for a gradient this rank lacks
         flat_index = 0
         for u, unit in enumerate(units):
-            for i, param in enumerate(unit):
-                hook = partial(self._on_grad_accumulated, u, i, flat_index)
+            for param in unit:
+                hook = partial(self._on_grad_accumulated, u, flat_index)
                 self._add_hook(param.register_post_accumulate_grad_hook(hook))
                 flat_index += 1
 
@@ -54,34 +54,30 @@ class OverlappedDDP(DataParallelModule):
         """The parameters of each unit (averaged together), in launch order."""
         return self._units
 
-    # -- subclass interface ------------------------------------------------------------------
-
-    def _place_gradient(self, unit: int, index: int, param: nn.Parameter) -> None:
-        """Called after every accumulation into ``param.grad``, syncing or not."""
+    # -- the gradients of a unit -------------------------------------------------------------
 
     def _local_presence(self) -> list[bool]:
         """Per parameter (in unit order): does this rank hold a gradient for it?"""
         return [p.grad is not None for p in self._params]
 
-    @abstractmethod
     def _launch(self, unit: int) -> PendingAverage:
-        """Start the averaging all-reduce of a unit whose gradients are all in place."""
+        """Start the averaging all-reduce of a unit's gradients, in place: autograd's own tensors, no copies
+        (a parameter without one on this rank sends the zeros ``_prepare_late`` made)."""
+        grads = [p.grad if p.grad is not None else self._zeros[(unit, i)] for i, p in enumerate(self._units[unit])]
+        return self._averager.start(grads)
 
-    @abstractmethod
     def _prepare_late(self, unit: int) -> None:
-        """Before a launch from ``finish``: put zeros where a parameter has no gradient on this rank."""
-
-    @abstractmethod
-    def _averaged(self, unit: int, index: int) -> torch.Tensor:
-        """After the wait: the averaged gradient of the unit's ``index``-th parameter."""
+        """Before a launch from ``finish``: zeros where a parameter has no gradient on this rank."""
+        for index, param in enumerate(self._units[unit]):
+            if param.grad is None:
+                self._zeros[(unit, index)] = torch.zeros_like(param)
 
     # -- launching ---------------------------------------------------------------------------
 
-    def _on_grad_accumulated(self, unit: int, index: int, flat_index: int, param: nn.Parameter) -> None:
+    def _on_grad_accumulated(self, unit: int, flat_index: int, param: nn.Parameter) -> None:
         # Runs on autograd's thread between backward's kernel launches, once per parameter: kept lean
-        # (a torch.no_grad decorator alone would double its cost; subclasses guard what they copy).
+        # (a torch.no_grad decorator alone would double its cost).
         self._got_grad[flat_index] = True
-        self._place_gradient(unit, index, param)
         if not self.require_backward_grad_sync:
             return
         if unit < self._next_unit or self._arrived[flat_index]:
@@ -143,7 +139,7 @@ class OverlappedDDP(DataParallelModule):
                 if not next(present):
                     param.grad = None  # no rank produced one: as single-process training leaves it
                 elif param.grad is None:
-                    param.grad = self._averaged(u, i)  # filled in by the unit's wait
+                    param.grad = self._zeros.pop((u, i))  # averaged in place by the unit's wait
 
     def remove_hooks(self) -> None:
         super().remove_hooks()
@@ -156,6 +152,7 @@ class OverlappedDDP(DataParallelModule):
         self._arrived = [False] * len(self._params)
         self._got_grad = [False] * len(self._params)
         self._next_unit = 0
+        self._zeros.clear()
 
 
 class DDPIndividualParameters(OverlappedDDP):
@@ -166,21 +163,3 @@ class DDPIndividualParameters(OverlappedDDP):
         params = [p for p in module.parameters() if p.requires_grad]
         # Reverse registration order: roughly the order backward produces gradients in.
         super().__init__(module, [[p] for p in reversed(params)], process_group, grad_comm_dtype, launch_thread)
-        self._zeros: dict[int, torch.Tensor] = {}
-
-    def _launch(self, unit: int) -> PendingAverage:
-        param = self._units[unit][0]
-        grad = param.grad if param.grad is not None else self._zeros[unit]
-        return self._averager.start(grad)
-
-    def _prepare_late(self, unit: int) -> None:
-        param = self._units[unit][0]
-        if param.grad is None:
-            self._zeros[unit] = torch.zeros_like(param)
-
-    def _averaged(self, unit: int, index: int) -> torch.Tensor:
-        return self._zeros.pop(unit)
-
-    def _reset(self) -> None:
-        super()._reset()
-        self._zeros.clear()

@@ -95,26 +95,31 @@ def test_bf16_gradient_communication_sends_bf16(runs):
     assert 0 < largest < TOLERANCE["bucketed_bf16_comm"]
 
 
-def test_bucketed_gradients_live_in_the_buckets(single_rank_group):
-    """After zero_grad(set_to_none=True) every .grad that backward reaches is a view into one flat buffer,
-    the same view each step (autograd accumulates in place, the mean needs no copy out); a parameter no
-    backward reached stays None."""
+def test_bucketed_averages_autograds_own_gradients_in_place(single_rank_group):
+    """Each .grad after the synchronisation is the very tensor autograd accumulated (averaged in place, no
+    bucket buffer copied into or out of), a parameter no backward reached stays None, and after
+    zero_grad(set_to_none=True) the next step's gradients are new tensors: the container holds none."""
     from lm_systems.parallel import DDPBucketed
 
     model = DDPBucketed(ToyNet(), bucket_size_mb=0.002)
     trainable = {name: p for name, p in model.module.named_parameters() if p.requires_grad}
+    assert len(model.buckets) > 1
+    accumulated: dict[str, torch.Tensor] = {}
+    for name, p in trainable.items():  # registered after the container's hooks: sees what it launched on
+        p.register_post_accumulate_grad_hook(lambda p, name=name: accumulated.__setitem__(name, p.grad))
     seen = []
     for _ in range(2):
         for p in model.parameters():
             p.grad = None
+        accumulated.clear()
         model(torch.randint(0, VOCAB, (2, 5)), use_rank0_only=True).sum().backward()
         model.finish_gradient_synchronization()
         assert trainable["never_used.weight"].grad is None
         grads = {name: p.grad for name, p in trainable.items() if not name.startswith("never_used")}
-        assert all(g is not None for g in grads.values())
-        assert len({g.untyped_storage().data_ptr() for g in grads.values()}) == 1, "one flat buffer"
-        seen.append(grads)
-    assert all(seen[0][name] is seen[1][name] for name in seen[0]), "the same bucket views every step"
+        assert accumulated.keys() == grads.keys()
+        assert all(grads[name] is accumulated[name] for name in grads), "the gradient autograd made, averaged in place"
+        seen.append({name: g.untyped_storage().data_ptr() for name, g in grads.items()})
+    assert len(set(seen[0].values())) == len(seen[0]), "no shared flat buffer"
 
 
 class _Switch(torch.nn.Module):

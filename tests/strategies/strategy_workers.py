@@ -160,11 +160,7 @@ def make_strategy(name: str):
     """A registered name, ``bucketed_ddp+bf16`` (bucketed_ddp sending its gradients in bf16),
     ``bucketed_ddp+no_thread`` (launching its all-reduces from the gradient hooks themselves) or
     ``zero1+stages1`` (zero1 stepping its whole shard, then exchanging, on the default group), or
-    ``bucketed_ddp+ce`` / ``zero1+ce`` (buckets averaged by peer copies: ``allreduce="copy_engine"``), or
     ``bucketed_ddp+compiled`` (bucketed_ddp training a TinyLM with a compiled layer)."""
-    if name.endswith("+ce"):
-        cls = BucketedDDPStrategy if name.startswith("bucketed_ddp") else Zero1Strategy
-        return cls(allreduce="copy_engine")
     if name == "bucketed_ddp+bf16":
         return BucketedDDPStrategy(grad_comm_dtype="bf16")
     if name == "zero1+stages1":

@@ -12,7 +12,7 @@ from lm_systems.parallel.ports import free_port
 from strategy_workers import TinyData, TinyLM, make_trainer, run_gpu_strategies
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "zero1+stages1", "bucketed_ddp+bf16",
-              "bucketed_ddp+ce", "zero1+ce", "bucketed_ddp+compiled"]
+              "bucketed_ddp+compiled"]
 PRECISIONS = ["bf16-mixed", "16-mixed"]
 
 pytestmark = [
