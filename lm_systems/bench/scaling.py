@@ -1,0 +1,326 @@
+"""Data-parallel scaling through train.py: ``python -m lm_systems.bench.scaling --devices 2``.
+
+Every setup is ``python train.py ...`` in processes of its own, exactly as a user launches it (Lightning
+starts the other ranks), with one more callback, ``WindowTimer``: after ``--warmup`` optimizer steps it
+times ``--segments`` segments of ``--steps`` steps, synchronising the device only at segment boundaries
+(so backward's overlap with communication is left alone), and writes each rank's segment times and peak
+memory. A setup's step time is the median over its segments of the slowest rank's time.
+
+Setups (``--setups``): ``single`` (one GPU, the baseline every scaling is taken against), and a strategy
+name with an optional bucket size, init args and environment variables:
+
+    ddp:100                 Lightning's ddp (torch DistributedDataParallel), bucket_cap_mb 100
+    bucketed_ddp            this project's strategies at their defaults (also naive_ddp, overlap_ddp, zero1, zero3)
+    zero1:100+exchange_stages=1     bucket_size_mb 100, and --trainer.strategy.exchange_stages 1
+    bucketed_ddp@NCCL_MAX_CTAS=8    with that environment variable set for the run
+    fsdp2                   torch FSDP2 (fully_shard per block, bf16 parameters, fp32 gradient reduction)
+
+Configurations (``--configs``): ``CONTEXTxBATCH:compiled`` or ``:eager``, the batch per GPU. Rounds visit
+every configuration's setups in turn, ``single`` first, so a scaling is taken against the one-GPU step of
+the same round (the lent GPUs' speed drifts by tens of percent within minutes). The table is rewritten
+after every run, so a call cut short keeps what it measured.
+
+    python -m lm_systems.bench.scaling --devices 2                                    # xl, the issue's two configs
+    python -m lm_systems.bench.scaling --configs 1024x8:compiled --setups single ddp:25 bucketed_ddp zero1
+    python -m lm_systems.bench.scaling --size tiny --configs 32x4:eager --accelerator cpu --warmup 2 --steps 2  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lm_systems.bench.report import argument_parser, write_results
+from lm_systems.config import MODEL_SIZES
+
+REPO = Path(__file__).resolve().parents[2]
+STRATEGY_CLASSES = {
+    "ddp": "lightning.pytorch.strategies.DDPStrategy",
+    "naive_ddp": "strategies.NaiveDDPStrategy",
+    "overlap_ddp": "strategies.OverlapDDPStrategy",
+    "bucketed_ddp": "strategies.BucketedDDPStrategy",
+    "zero1": "strategies.Zero1Strategy",
+    "zero3": "strategies.Zero3Strategy",
+    "fsdp2": "strategies.FSDP2Strategy",
+}
+BUCKET_ARGS = {"ddp": "bucket_cap_mb", "bucketed_ddp": "bucket_size_mb", "zero1": "bucket_size_mb"}
+# One optimisation recipe for every setup.
+LR, WARMUP_STEPS, CLIP = 3e-4, 5, 1.0
+
+
+class WindowTimer(Callback):
+    """Times ``segments`` segments of ``steps`` optimizer steps after ``warmup`` untimed ones, synchronising the
+    device only at segment boundaries; writes ``rank{r}.json`` (segment milliseconds per step, peak GiB) to
+    ``out_dir``."""
+
+    def __init__(self, out_dir: str, warmup: int, steps: int, segments: int) -> None:
+        super().__init__()
+        self._out_dir, self._warmup, self._steps, self._segments = Path(out_dir), warmup, steps, segments
+        self._segment_ms: list[float] = []
+        self._started = 0.0
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step < self._warmup or (step - self._warmup) % self._steps or len(self._segment_ms) == self._segments:
+            return
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        if step == self._warmup:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+        else:
+            self._segment_ms.append(1e3 * (now - self._started) / self._steps)
+            if len(self._segment_ms) == self._segments:
+                self._write(trainer, device)
+        self._started = time.perf_counter()
+
+    def _write(self, trainer: L.Trainer, device: torch.device) -> None:
+        peak = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else float("nan")
+        self._out_dir.mkdir(parents=True, exist_ok=True)
+        record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "segment_ms": self._segment_ms,
+                  "peak_GiB": peak}
+        (self._out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """``name[:bucket_mb][+key=value ...][@VAR=value ...]``, parsed."""
+
+    spec: str
+    name: str
+    bucket_mb: str | None = None
+    init_args: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str) -> "Setup":
+        head, *envs = spec.split("@")
+        head, *options = head.split("+")
+        name, _, bucket = head.partition(":")
+        if name != "single" and name not in STRATEGY_CLASSES:
+            raise argparse.ArgumentTypeError(f"unknown setup {name!r} in {spec!r}: choose single or one of "
+                                             f"{', '.join(STRATEGY_CLASSES)}")
+        if bucket and name not in BUCKET_ARGS:
+            raise argparse.ArgumentTypeError(f"{name} takes no bucket size ({spec!r}); those that do: "
+                                             f"{', '.join(BUCKET_ARGS)}")
+        pairs = [option.split("=", 1) for option in [*options, *envs]]
+        if any(len(pair) != 2 for pair in pairs):
+            raise argparse.ArgumentTypeError(f"options and variables are key=value, got {spec!r}")
+        return cls(spec, name, bucket or None, tuple(map(tuple, pairs[:len(options)])),
+                   tuple(map(tuple, pairs[len(options):])))
+
+    def train_py_args(self, devices: int) -> list[str]:
+        if self.name == "single":
+            return ["--devices", "1", "--strategy", "auto"]
+        if not (self.bucket_mb or self.init_args):  # the registered name, as a user types it
+            return ["--devices", str(devices), "--strategy", self.name]
+        args = ["--devices", str(devices), "--trainer.strategy", STRATEGY_CLASSES[self.name]]
+        if self.bucket_mb:
+            args += [f"--trainer.strategy.{BUCKET_ARGS[self.name]}", self.bucket_mb]
+        for key, value in self.init_args:
+            args += [f"--trainer.strategy.{key}", value]
+        return args
+
+
+@dataclass(frozen=True)
+class Config:
+    context: int
+    batch_size: int
+    compile: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        shape, _, mode = text.partition(":")
+        try:
+            context, batch = (int(part) for part in shape.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--configs takes CONTEXTxBATCH:compiled|eager, got {text!r}") from None
+        if mode not in ("compiled", "eager") or context <= 0 or batch <= 0:
+            raise argparse.ArgumentTypeError(f"--configs takes CONTEXTxBATCH:compiled|eager with positive sizes, "
+                                             f"got {text!r}")
+        return cls(context, batch, mode == "compiled")
+
+    @property
+    def label(self) -> str:
+        return f"ctx{self.context}×{self.batch_size} {'compiled' if self.compile else 'eager'}"
+
+
+@dataclass
+class Run:
+    """One setup's visit: per-segment step times (the slowest rank's), peak memory per rank."""
+
+    config: Config
+    setup: Setup
+    round: int
+    segment_ms: list[float] = field(default_factory=list)
+    peak_GiB: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.segment_ms) if self.segment_ms else float("nan")
+
+
+def train_py_command(config: Config, setup: Setup, args: argparse.Namespace, workdir: Path, timer_dir: Path) -> list[str]:
+    """The user's command line for ``setup`` with the timer added (checkpoints, validation and sampling off)."""
+    timer = {"class_path": "lm_systems.bench.scaling.WindowTimer",
+             "init_args": {"out_dir": str(timer_dir), "warmup": args.warmup, "steps": args.steps,
+                           "segments": args.segments}}
+    return [
+        sys.executable, str(REPO / "train.py"),
+        "--accelerator", args.accelerator, "--precision", args.precision,
+        "--model.size", args.size, "--model.context_length", str(config.context),
+        "--model.attention", args.attention, "--model.compile", str(config.compile).lower(),
+        "--model.lr", str(LR), "--model.warmup_steps", str(WARMUP_STEPS), "--model.sample_prompt", "",
+        "--data.batch_size", str(config.batch_size),
+        "--max_steps", str(args.warmup + args.steps * args.segments),
+        "--trainer.gradient_clip_val", str(CLIP), "--trainer.limit_val_batches", "0",
+        "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.logger.init_args.save_dir", str(workdir / "logs"),
+        f"--trainer.callbacks+={json.dumps(timer)}",
+        *setup.train_py_args(args.devices), *args.train_py_flags,
+    ]
+
+
+def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, workdir: Path) -> Run:
+    """Run train.py for ``setup`` from the checkout (its data cache too); its segments, or the tail of its output
+    if it failed."""
+    run = Run(config, setup, round_)
+    timer_dir = workdir / f"visit{len(list(workdir.glob('visit*.log')))}"
+    command = train_py_command(config, setup, args, workdir, timer_dir)
+    env = {**os.environ, **dict(setup.env)}
+    log = timer_dir.with_suffix(".log")
+    with log.open("w") as out:
+        try:
+            code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=args.run_timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    records = [json.loads(path.read_text()) for path in sorted(timer_dir.glob("rank*.json"))]
+    if code != 0 or not records:
+        tail = log.read_text().strip().splitlines()[-15:]
+        run.error = f"exit {code}: {tail[-1] if tail else 'no output'}"
+        print(f"  {setup.spec} failed ({run.error}); its output ends:\n    " + "\n    ".join(tail), flush=True)
+        return run
+    run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records))]
+    run.peak_GiB = [r["peak_GiB"] for r in sorted(records, key=lambda r: r["rank"])]
+    return run
+
+
+def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
+    """Per configuration and setup: the median over rounds of its step time, its scaling against the one-GPU step
+    of the same round, and its step time over torch DDP's (``ddp`` at 25 MB, or the first ``ddp`` setup)."""
+    table = []
+    configs = list(dict.fromkeys(run.config for run in runs))
+    for config in configs:
+        visits = [run for run in runs if run.config == config]
+        by_round = {(run.round, run.setup.spec): run for run in visits}
+        ddp_spec = next((s.spec for s in args.setups if s.name == "ddp" and s.bucket_mb in (None, "25")),
+                        next((s.spec for s in args.setups if s.name == "ddp"), None))
+
+        def ratios(spec: str, base: str | None) -> list[float]:
+            pairs = [(by_round.get((r, spec)), by_round.get((r, base))) for r in range(args.rounds)]
+            return [a.ms / b.ms for a, b in pairs if a and b and a.segment_ms and b.segment_ms]
+
+        for setup in args.setups:
+            mine = [run for run in visits if run.setup == setup]
+            if not mine:
+                continue
+            done = [run for run in mine if run.segment_ms]
+            devices = 1 if setup.name == "single" else args.devices
+            row: dict[str, Any] = {"config": config.label, "setup": setup.spec, "devices": devices,
+                                   "rounds": len(done)}
+            if done:
+                ms = statistics.median(run.ms for run in done)
+                scaling = [1 / ratio for ratio in ratios(setup.spec, "single")]
+                over_ddp = ratios(setup.spec, ddp_spec) if ddp_spec else []
+                row.update(ms_per_step=ms, min_ms=min(run.ms for run in done), max_ms=max(run.ms for run in done),
+                           tokens_per_s=devices * config.batch_size * config.context / ms * 1e3,
+                           scaling=statistics.median(scaling) if scaling else "",
+                           over_ddp=statistics.median(over_ddp) if over_ddp else "",
+                           peak_GiB_per_rank=max(max(run.peak_GiB) for run in done))
+            errors = [run.error for run in mine if run.error]
+            row["error"] = errors[-1] if errors else ""
+            table.append(row)
+    return table
+
+
+COLUMNS = ["config", "setup", "devices", "rounds", "ms_per_step", "min_ms", "max_ms", "tokens_per_s", "scaling",
+           "over_ddp", "peak_GiB_per_rank", "error"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argument_parser(__doc__)
+    parser.add_argument("--devices", type=int, default=2, help="GPUs (processes) of the data-parallel setups")
+    parser.add_argument("--size", default="xl", choices=sorted(MODEL_SIZES))
+    parser.add_argument("--configs", nargs="+", type=Config.parse,
+                        default=[Config(1024, 8, True), Config(512, 4, False)],
+                        help="CONTEXTxBATCH:compiled|eager, batch per GPU (default: 1024x8:compiled 512x4:eager)")
+    parser.add_argument("--setups", nargs="+", type=Setup.parse,
+                        default=[Setup.parse(s) for s in ("single", "ddp:25", "ddp:100", "ddp:1000", "bucketed_ddp",
+                                                          "zero1", "zero3", "fsdp2")],
+                        help="single, or strategy[:bucket_mb][+init_arg=value][@ENV=value] (default: single, ddp "
+                             "at 25/100/1000 MB, bucketed_ddp, zero1, zero3, fsdp2)")
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"))
+    parser.add_argument("--rounds", type=int, default=1, help="visits of every setup, interleaved")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed optimizer steps first")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per timed segment")
+    parser.add_argument("--segments", type=int, default=3, help="timed segments per visit")
+    parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a visit is stopped")
+    parser.add_argument("--name", default="scaling", help="results file name (without extension)")
+    parser.add_argument("--train-py-flags", type=shlex.split, default=[],
+                        help="more train.py flags for every setup, in one string")
+    args = parser.parse_args(argv)
+    for flag in ("devices", "rounds", "warmup", "steps", "segments"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    # The one-GPU step first in every round: each scaling is taken against the same round's.
+    args.setups = sorted(dict.fromkeys(args.setups), key=lambda s: s.name != "single")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    runs: list[Run] = []
+    notes = (f"`python train.py` per setup ({args.size}, {args.precision}, attention {args.attention}, AdamW lr {LR}, "
+             f"clip {CLIP}; checkpoints, validation and the closing sample off); {args.warmup} warm-up steps, then "
+             f"{args.segments} segments of {args.steps} steps, the device synchronised only between segments. "
+             "ms_per_step: median over rounds of each visit's median segment (the slowest rank's); scaling: the "
+             "same round's one-GPU step over this one (median over rounds); over_ddp: this step over torch DDP's "
+             "(ddp at 25 MB) in the same round; peak_GiB_per_rank: the largest rank's allocator peak.")
+    with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
+        workdir = Path(tmp)
+        for round_ in range(args.rounds):
+            for config in args.configs:
+                for setup in args.setups:
+                    print(f"round {round_ + 1}/{args.rounds} {config.label}: {setup.spec} ...", flush=True)
+                    run = visit(config, setup, round_, args, workdir)
+                    if run.segment_ms:
+                        print(f"  {run.ms:.1f} ms/step, peak {max(run.peak_GiB):.1f} GiB", flush=True)
+                    runs.append(run)
+                    write_results(args.name, rows(runs, args), "Data-parallel scaling through train.py",
+                                  notes=notes, columns=COLUMNS, out_dir=args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

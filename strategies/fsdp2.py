@@ -1,0 +1,58 @@
+"""fsdp2: torch's own FSDP2 (``fully_shard``) over the TransformerLM's blocks, the reference zero3 is measured against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from typing_extensions import override
+
+BF16_PRECISIONS = ("bf16-mixed", "bf16-true")
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (data parallel only) with FSDP2 applied by the strategy itself:
+    ``fully_shard`` on each Transformer block, then on the whole model, so a LitLM trains under it unchanged.
+
+    Under a bf16 precision, parameters are gathered in bf16 and gradients reduce-scattered in float32
+    (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``); the float32 masters and the
+    optimizer state stay sharded. Checkpoints hold the full state dict, gathered to rank 0, as the other
+    strategies' do. ``reshard_after_forward`` frees each block's gathered weights after its forward (and
+    gathers them again for backward), as zero3 does.
+    """
+
+    strategy_name = "fsdp2"
+
+    def __init__(self, reshard_after_forward: bool = True, **kwargs: Any) -> None:
+        super().__init__(tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
+        self._reshard_after_forward = reshard_after_forward
+
+    @override
+    def setup_environment(self) -> None:
+        # Every process a data-parallel rank ("auto" would make data parallelism span nodes only).
+        self._data_parallel_size = self.num_processes * self.num_nodes
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        self._shard(self.lightning_module.model, str(trainer.precision))
+        super().setup(trainer)
+
+    def _shard(self, model: torch.nn.Module, precision: str) -> None:
+        blocks = getattr(model, "blocks", None)
+        if blocks is None:
+            raise TypeError(f"--strategy fsdp2 shards a TransformerLM's blocks; {type(model).__name__} has no .blocks")
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if precision in BF16_PRECISIONS else MixedPrecisionPolicy())
+        mesh = self.device_mesh["data_parallel"]
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=self._reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=self._reshard_after_forward)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="torch FSDP2 (fully_shard) per block")
