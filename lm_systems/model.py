@@ -142,15 +142,17 @@ class TransformerLM(nn.Module):
         return self.lm_head(self.final_norm(x))  # (B, T, V)
 
     def compile_blocks(self, **compile_options: Any) -> None:
-        """torch.compile each block in place (regional compilation; ``compile_options`` go to torch.compile).
+        """torch.compile each block's forward in place (regional compilation; ``compile_options`` go to torch.compile).
 
         The blocks share one compiled graph, so compiling costs one block's time. Each block's backward
         stays a node of its own in the autograd graph, so its gradients arrive as it ends and a
         data-parallel container keeps overlapping their all-reduces with the rest of backward; a whole
-        compiled model is one node, which hands every gradient over at the end of backward.
+        compiled model is one node, which hands every gradient over at the end of backward. Only the forward
+        is compiled, not the module's call: hooks on a block (a sharding container's gather and free) run
+        outside the graph.
         """
         for block in self.blocks:
-            block.compile(**compile_options)
+            block.forward = torch.compile(block.forward, **compile_options)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -68,8 +68,8 @@ class FullyShardedDataParallel(DataParallelModule):
     themselves still communicate.
 
     Every rank must run the same units in the same order, forward and backward (as torch FSDP requires);
-    a unit must not be torch.compiled (its hooks gather and free), and the module must be on its device
-    before wrapping. The optimizer steps the shards elementwise, so AdamW, Adam and SGD match
+    a unit may have its forward torch.compiled, not its whole call (its hooks gather and free); the module
+    must be on its device before wrapping. The optimizer steps the shards elementwise, so AdamW, Adam and SGD match
     single-process training; an optimizer that takes per-tensor norms (LAMB, Adafactor) sees shards.
     """
 
@@ -81,9 +81,10 @@ class FullyShardedDataParallel(DataParallelModule):
         unit_modules = _outermost(module, tuple(unit_types) if unit_types is not None else default_unit_types())
         for prefix, unit in unit_modules:
             if getattr(unit, "_compiled_call_impl", None) is not None:
-                raise ValueError(f"unit {prefix or 'the root'} is torch.compiled: FullyShardedDataParallel gathers and "
-                                 "frees its parameters in module hooks, which compilation would trace; wrap an "
-                                 "uncompiled module (with train.py: --model.compile false)")
+                raise ValueError(f"unit {prefix or 'the root'} is torch.compiled whole: FullyShardedDataParallel gathers "
+                                 "and frees its parameters in module hooks, which that would trace; compile its forward "
+                                 "instead (unit.forward = torch.compile(unit.forward), as TransformerLM.compile_blocks "
+                                 "does), which leaves the hooks outside the graph")
         self._units = [ShardedUnit(unit, prefix, params, process_group, compute_dtype, grad_comm_dtype)
                        for (prefix, unit), params in zip(unit_modules, _assign_params(module, unit_modules)) if params]
         self._sharded: dict[int, tuple[ShardedUnit, ShardedParam]] = {

@@ -19,6 +19,7 @@ from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
 from lm_systems.parallel import FullyShardedDataParallel
 from lm_systems.parallel import sharded_unit
+from lm_systems.parallel.fully_sharded import default_unit_types
 from parallel_workers import init_group
 
 VOCAB, DIM, BATCH, STEPS, MICRO_BATCHES = 37, 13, 3, 3, 2
@@ -141,12 +142,18 @@ class CollectiveLog:
             hook.remove()
 
 
-def train_sharded(rank: int, dtype_name: str) -> dict:
+def train_sharded(rank: int, dtype_name: str, compiled: bool = False) -> dict:
     """Rank-seeded ShardToy (the wrapper broadcasts rank 0's), two micro-batches per step (the first under
-    no_sync), clipped at CLIP; what the tests compare."""
+    no_sync), clipped at CLIP; what the tests compare. ``compiled``: every unit's forward torch.compiled (as
+    ``TransformerLM.compile_blocks`` does), its gather and free hooks left outside the graph."""
     dtype = COMPUTE_DTYPES[dtype_name]
     torch.manual_seed(100 + rank)
-    model = FullyShardedDataParallel(ShardToy(), compute_dtype=dtype)
+    toy = ShardToy()
+    if compiled:
+        for module in toy.modules():
+            if isinstance(module, default_unit_types()):
+                module.forward = torch.compile(module.forward, backend="aot_eager")  # graph capture, no codegen: quick
+    model = FullyShardedDataParallel(toy, compute_dtype=dtype)
     initial = {name: value.clone() for name, value in model.gather_full_params().items()}
     optimizer = make_optimizer(model.module.parameters())
     report = {"norms": [], "logs": []}
@@ -185,6 +192,7 @@ def run_fully_sharded(rank: int, world_size: int, port: int, out_dir: str) -> No
     init_group(rank, world_size, port)
     try:
         runs = {name: train_sharded(rank, name) for name in COMPUTE_DTYPES}
+        runs["fp32_compiled"] = train_sharded(rank, "fp32", compiled=True)
         runs["memory"] = resident_bytes_after_training(rank)
         torch.save(runs, Path(out_dir) / f"fully_sharded_rank{rank}.pt")
     finally:

@@ -160,10 +160,18 @@ def test_resident_parameter_and_gradient_bytes_are_a_shard(runs):
         assert memory["resident"] >= 2 * (total / 2 + replicated)
 
 
-def test_compiled_unit_is_refused(single_rank_group):
+def test_units_with_compiled_forwards_train_like_one_process(runs):
+    """Each unit's forward compiled, the container's hooks outside it: the float32 numerics of one process."""
+    reference = runs[0]["fp32"]["reference"]
+    for rank in range(2):
+        assert_params_close(runs[rank]["fp32_compiled"]["final"], reference, TOLERANCE["fp32"])
+    assert runs[0]["fp32_compiled"]["logs"] == runs[0]["fp32"]["logs"], "the same gathers and reduce-scatters"
+
+
+def test_a_unit_compiled_whole_is_refused_with_what_to_do(single_rank_group):
     model = ShardToy()
     model.hidden.compile()
-    with pytest.raises(ValueError, match="--model.compile false"):
+    with pytest.raises(ValueError, match="compile its forward"):
         FullyShardedDataParallel(model)
 
 
