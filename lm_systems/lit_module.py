@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, replace
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as L
 import torch
@@ -44,9 +44,10 @@ class LitLM(L.LightningModule):
         decay_steps: step at which the cosine reaches its floor; None means trainer.max_steps.
         weight_decay: AdamW weight decay on matrices (never on norms or embeddings).
         betas: AdamW betas.
-        compile: torch.compile the model in place: whole in one process; each Transformer block on its own
-            across processes, where the data-parallel strategies overlap each block's gradient communication
-            with the rest of backward (a whole compiled model hands every gradient over at its end).
+        compile: torch.compile the model in place. true: whole in one process; each Transformer block on its
+            own across processes, where the data-parallel strategies overlap each block's gradient communication
+            with the rest of backward (a whole compiled model hands every gradient over at its end). "blocks"
+            or "model" choose either everywhere ("blocks" compiles one block's graph: faster to start).
         sample_prompt: prompt of the sample printed after training ('' skips it).
         sample_tokens: length of that sample.
         on_nonfinite: what a non-finite loss or gradient norm does: "stop" ends the run with an error (the
@@ -72,7 +73,7 @@ class LitLM(L.LightningModule):
         decay_steps: Optional[int] = None,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
-        compile: bool = False,
+        compile: Union[bool, Literal["blocks", "model"]] = False,
         sample_prompt: str = "Once upon a time",
         sample_tokens: int = 48,
         on_nonfinite: NonFinitePolicy = "stop",
@@ -157,8 +158,10 @@ class LitLM(L.LightningModule):
 
     def _compile_model(self) -> None:
         """Per block where gradients are reduced across processes, so that each block's are ready as its backward
-        ends; else the whole model, whose one graph launches its kernels with less host work per step."""
-        if self._trainer is not None and self._trainer.world_size > 1:
+        ends; else the whole model, whose one graph launches its kernels with less host work per step (unless
+        ``compile`` names one of the two)."""
+        across_processes = self._trainer is not None and self._trainer.world_size > 1
+        if self.hparams.compile == "blocks" or (self.hparams.compile is True and across_processes):
             self.model.compile_blocks()
         else:
             self.model.compile()

@@ -141,12 +141,14 @@ def test_compile_happens_once_across_stages(cache_dir, tmp_path, monkeypatch):
     assert calls == [("whole", model.model)]
 
 
-@pytest.mark.parametrize("devices, compiled", [(1, "whole"), (2, "blocks")])
-def test_compile_is_per_block_only_across_processes(devices, compiled, monkeypatch):
+@pytest.mark.parametrize("devices, compile, compiled", [(1, True, "whole"), (2, True, "blocks"), (1, "blocks", "blocks"),
+                                                        (2, "model", "whole")])
+def test_compile_is_per_block_only_across_processes_unless_named(devices, compile, compiled, monkeypatch):
     """Across processes the strategies overlap each block's gradient communication with backward, which needs each
-    block's backward to be a node of its own; in one process the whole model compiles into one graph."""
+    block's backward to be a node of its own; in one process the whole model compiles into one graph. A named
+    choice holds everywhere."""
     calls = _record_compiles(monkeypatch)
-    lit = LitLM(**SMALL_MODEL, vocab_size=100, compile=True)
+    lit = LitLM(**SMALL_MODEL, vocab_size=100, compile=compile)
     lit.trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
                             logger=False, enable_progress_bar=False, enable_model_summary=False)
     lit.configure_model()
