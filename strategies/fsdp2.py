@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Optional
 
 import lightning.pytorch as L
 import torch
@@ -19,8 +21,9 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     Under a bf16 precision, parameters are gathered in bf16 and gradients reduce-scattered in float32
     (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``); the float32 masters and the
-    optimizer state stay sharded. Checkpoints hold the full state dict, gathered to rank 0, as the other
-    strategies' do. ``reshard_after_forward`` frees each block's gathered weights after its forward (and
+    optimizer state stay sharded. The model is built on the device, as under ``ddp``, so both start from the
+    same weights. Checkpoints hold the full state dict, gathered to rank 0, as the other strategies' do.
+    ``reshard_after_forward`` frees each block's gathered weights after its forward (and
     gathers them again for backward), as zero3 does.
     """
 
@@ -29,6 +32,14 @@ class FSDP2Strategy(ModelParallelStrategy):
     def __init__(self, reshard_after_forward: bool = True, **kwargs: Any) -> None:
         super().__init__(tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
         self._reshard_after_forward = reshard_after_forward
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # On the device, as DDPStrategy builds the model: the same initial weights as under the other strategies
+        # (drawn from the device's generator), and no initialisation of a large model on the host first.
+        with torch.device(self.root_device), super().tensor_init_context(empty_init):
+            yield
 
     @override
     def setup_environment(self) -> None:
