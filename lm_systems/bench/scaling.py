@@ -13,6 +13,7 @@ name with an optional bucket size, init args and environment variables:
     bucketed_ddp            this project's strategies at their defaults (also naive_ddp, overlap_ddp, zero1, zero3)
     zero1:100+exchange_stages=1     bucket_size_mb 100, and --trainer.strategy.exchange_stages 1
     bucketed_ddp@NCCL_MAX_CTAS=8    with that environment variable set for the run
+    single+--model.compile=blocks   an option that starts with -- is a train.py flag of that setup's
     fsdp2                   torch FSDP2 (fully_shard per block, bf16 parameters, fp32 gradient reduction)
 
 Configurations (``--configs``): ``CONTEXTxBATCH:compiled`` or ``:eager``, the batch per GPU. Rounds visit
@@ -115,7 +116,7 @@ class Setup:
         head, *envs = spec.split("@")
         head, *options = head.split("+")
         name, _, bucket = head.partition(":")
-        if name != "single" and name not in STRATEGY_CLASSES:
+        if name != "single" and name not in STRATEGY_CLASSES or (name == "single" and bucket):
             raise argparse.ArgumentTypeError(f"unknown setup {name!r} in {spec!r}: choose single or one of "
                                              f"{', '.join(STRATEGY_CLASSES)}")
         if bucket and name not in BUCKET_ARGS:
@@ -128,16 +129,18 @@ class Setup:
                    tuple(map(tuple, pairs[len(options):])))
 
     def train_py_args(self, devices: int) -> list[str]:
+        flags = [arg for key, value in self.init_args if key.startswith("--") for arg in (key, value)]
+        init_args = [(key, value) for key, value in self.init_args if not key.startswith("--")]
         if self.name == "single":
-            return ["--devices", "1", "--strategy", "auto"]
-        if not (self.bucket_mb or self.init_args):  # the registered name, as a user types it
-            return ["--devices", str(devices), "--strategy", self.name]
+            return ["--devices", "1", "--strategy", "auto", *flags]
+        if not (self.bucket_mb or init_args):  # the registered name, as a user types it
+            return ["--devices", str(devices), "--strategy", self.name, *flags]
         args = ["--devices", str(devices), "--trainer.strategy", STRATEGY_CLASSES[self.name]]
         if self.bucket_mb:
             args += [f"--trainer.strategy.{BUCKET_ARGS[self.name]}", self.bucket_mb]
-        for key, value in self.init_args:
+        for key, value in init_args:
             args += [f"--trainer.strategy.{key}", value]
-        return args
+        return args + flags
 
 
 @dataclass(frozen=True)
@@ -295,7 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     # The one-GPU step first in every round: each scaling is taken against the same round's.
-    args.setups = sorted(dict.fromkeys(args.setups), key=lambda s: s.name != "single")
+    args.setups = sorted(dict.fromkeys(args.setups), key=lambda s: s.spec != "single")
     return args
 
 

@@ -1,0 +1,63 @@
+"""bench.scaling: setups parse into the train.py flags a user types, the table's ratios come from the same
+round's visits, and a CPU run through train.py fills it."""
+
+import argparse
+import csv
+
+import pytest
+
+from lm_systems.bench import scaling as bench
+
+
+def test_setups_become_the_flags_a_user_types():
+    assert bench.Setup.parse("single").train_py_args(2) == ["--devices", "1", "--strategy", "auto"]
+    assert bench.Setup.parse("zero1").train_py_args(2) == ["--devices", "2", "--strategy", "zero1"]
+    setup = bench.Setup.parse("ddp:100+find_unused_parameters=true+--model.compile=blocks@NCCL_ALGO=Ring")
+    assert setup.train_py_args(4) == [
+        "--devices", "4", "--trainer.strategy", "lightning.pytorch.strategies.DDPStrategy",
+        "--trainer.strategy.bucket_cap_mb", "100", "--trainer.strategy.find_unused_parameters", "true",
+        "--model.compile", "blocks"]
+    assert setup.env == (("NCCL_ALGO", "Ring"),)
+    assert bench.Setup.parse("bucketed_ddp:25").train_py_args(2)[-2:] == ["--trainer.strategy.bucket_size_mb", "25"]
+
+
+@pytest.mark.parametrize("spec, said", [("ddq", "unknown setup 'ddq'"), ("zero3:25", "zero3 takes no bucket size"),
+                                        ("single:25", "unknown setup"), ("ddp+bucket_cap_mb", "key=value")])
+def test_a_bad_setup_says_what_is_wrong(spec, said):
+    with pytest.raises(argparse.ArgumentTypeError, match=said):
+        bench.Setup.parse(spec)
+
+
+def test_ratios_are_taken_within_each_round_then_the_median():
+    args = bench.parse_args(["--setups", "single", "ddp:25", "bucketed_ddp", "--rounds", "3", "--configs",
+                             "64x2:eager"])
+    config = args.configs[0]
+    single, ddp, bucketed = args.setups
+    times = {single: [100, 200, 100], ddp: [150, 260, 125], bucketed: [110, 250, 120]}
+    runs = [bench.Run(config, setup, r, segment_ms=[ms], peak_GiB=[1.0, 2.0])
+            for r in range(3) for setup, series in times.items() for ms in [series[r]]]
+    rows = {row["setup"]: row for row in bench.rows(runs, args)}
+    assert rows["bucketed_ddp"]["ms_per_step"] == 120
+    assert rows["bucketed_ddp"]["scaling"] == pytest.approx(sorted([100 / 110, 200 / 250, 100 / 120])[1])
+    assert rows["bucketed_ddp"]["over_ddp"] == pytest.approx(sorted([110 / 150, 250 / 260, 120 / 125])[1])
+    assert rows["bucketed_ddp"]["tokens_per_s"] == pytest.approx(2 * 2 * 64 / 120 * 1e3)
+    assert rows["single"]["devices"] == 1 and rows["single"]["tokens_per_s"] == pytest.approx(2 * 64 / 100 * 1e3)
+    assert rows["ddp:25"]["peak_GiB_per_rank"] == 2.0
+
+
+@pytest.mark.slow
+def test_cpu_run_through_train_py_fills_the_table(tmp_path):
+    out = tmp_path / "out"
+    bench.main(["--size", "tiny", "--configs", "16x2:eager", "--accelerator", "cpu", "--precision", "32-true",
+                "--setups", "single", "bucketed_ddp:1", "zero3+compute_dtype=bf16", "--warmup", "1", "--steps", "2",
+                "--segments", "2", "--out-dir", str(out),
+                "--train-py-flags", f"--data.cache_dir {tmp_path / 'data'} --data.generated_stories 300 "
+                                    "--data.vocab_size 300"])
+    rows = {row["setup"]: row for row in csv.DictReader((out / "scaling.csv").open())}
+    assert set(rows) == {"single", "bucketed_ddp:1", "zero3+compute_dtype=bf16"}
+    for row in rows.values():
+        assert row["error"] == "" and row["rounds"] == "1" and float(row["ms_per_step"]) > 0
+    bucketed = rows["bucketed_ddp:1"]
+    assert bucketed["devices"] == "2"
+    assert float(bucketed["scaling"]) == pytest.approx(float(rows["single"]["ms_per_step"]) /
+                                                       float(bucketed["ms_per_step"]), rel=1e-3)

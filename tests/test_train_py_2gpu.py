@@ -1,0 +1,120 @@
+"""`python train.py --devices 2` on two GPUs over NCCL, run as the user runs it (a subprocess): every
+data-parallel strategy in bf16-mixed and 16-mixed, clipping engaged, two micro-batches accumulated per step.
+
+Each run must exit 0 and lower the training loss. The replicated strategies' ranks must end with identical
+weights. Every strategy must end where torch DDP (Lightning's ``ddp``) ends on the same windows (the
+training windows are a function of seed, world size, rank and batch index, so two-process runs of every
+strategy see the same batches): closer to it than a tenth of the distance DDP's weights travelled, which a
+strategy that averaged nothing, or clipped each rank's own norm, would miss. And a two-GPU run resumed from
+a step checkpoint ends where the uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train_py_gpu import REPO, assert_trained, logged, version_dir
+
+STEPS = 12
+REPLICATED = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1"]
+SHARDED = ["zero3", "fsdp2"]
+PRECISIONS = ["bf16-mixed", "16-mixed"]
+CLIP = 0.05  # below the tiny model's gradient norm at these steps: every step clips (asserted below)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def train_py_2gpu(run_dir: Path, cache_dir: Path, *args: str) -> None:
+    command = [sys.executable, str(REPO / "train.py"), "--devices", "2", "--max_steps", str(STEPS),
+               "--accumulate_grad_batches", "2", "--trainer.gradient_clip_val", str(CLIP),
+               "--trainer.val_check_interval", "6", "--trainer.log_every_n_steps", "2",
+               "--trainer.enable_progress_bar", "false", "--model.sample_tokens", "8",
+               "--data.cache_dir", str(cache_dir),
+               "--trainer.callbacks+=tests.rank_weights.SaveRankWeights", f"--trainer.callbacks.out_dir={run_dir}",
+               *args]
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")}
+    done = subprocess.run(command, cwd=run_dir, capture_output=True, text=True, timeout=900,
+                          env={**environment, "PYTHONPATH": os.pathsep.join([str(REPO), environment.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+def checkpoint_weights(run_dir: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
+    checkpoint = torch.load(version_dir(run_dir) / "checkpoints" / name, map_location="cpu", weights_only=False)
+    return {k: v.float() for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return sum(((a[k] - b[k]) ** 2).sum().item() for k in a) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, cache_dir):
+    """torch DDP's run in a precision (its folder also holds its initial weights), made once when first asked for."""
+    runs: dict[str, Path] = {}
+
+    def run(precision: str) -> Path:
+        if precision not in runs:
+            runs[precision] = tmp_path_factory.mktemp(f"ddp_{precision}")
+            train_py_2gpu(runs[precision], cache_dir, "--strategy", "ddp", "--precision", precision)
+        return runs[precision]
+
+    return run
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("strategy", REPLICATED + SHARDED)
+def test_strategy_trains_like_torch_ddp(strategy, precision, tmp_path, cache_dir, ddp_run):
+    if strategy == "fsdp2" and precision == "16-mixed":
+        pytest.skip("Lightning's ModelParallelStrategy takes no 16-mixed (no sharded GradScaler)")
+    train_py_2gpu(tmp_path, cache_dir, "--strategy", strategy, "--precision", precision)
+    assert_trained(tmp_path)
+    norms = logged(tmp_path, "train/grad_norm")
+    assert min(norms) > CLIP, f"clipping must engage on every logged step: {norms}"
+    if strategy in REPLICATED:
+        replicas = [torch.load(tmp_path / f"weights_rank{rank}.pt", map_location="cpu") for rank in (0, 1)]
+        for name, weight in replicas[0].items():
+            assert torch.equal(weight, replicas[1][name]), f"{name} differs between the ranks"
+    reference = checkpoint_weights(ddp_run(precision))
+    ours = checkpoint_weights(tmp_path)
+    travelled = distance(reference, _initial_weights(ddp_run(precision)))
+    assert distance(ours, reference) < 0.1 * travelled, (distance(ours, reference), travelled)
+    torch.testing.assert_close(torch.tensor(logged(tmp_path, "train/loss")),
+                               torch.tensor(logged(ddp_run(precision), "train/loss")), atol=2e-2, rtol=0)
+
+
+def _initial_weights(ddp_run: Path) -> dict[str, torch.Tensor]:
+    """DDP's weights as training started (rank 0's, broadcast to every rank)."""
+    state = torch.load(ddp_run / "initial_weights_rank0.pt", map_location="cpu")
+    return {k: v.float() for k, v in state.items() if k.startswith("model.")}
+
+
+@pytest.mark.parametrize("strategy", ["bucketed_ddp", "zero1", "zero3"])
+def test_resume_on_two_gpus_ends_where_the_uninterrupted_run_ends(strategy, tmp_path, cache_dir):
+    whole, first, resumed = (tmp_path / name for name in ("whole", "first", "resumed"))
+    for folder in (whole, first, resumed):
+        folder.mkdir()
+    common = ["--strategy", strategy, "--precision", "bf16-mixed", "--model.attention", "naive"]
+    train_py_2gpu(whole, cache_dir, *common)
+    train_py_2gpu(first, cache_dir, *common, "--checkpointing_interval", str(STEPS // 2))
+    middle = version_dir(first) / "checkpoints" / f"step={STEPS // 2}.ckpt"
+    train_py_2gpu(resumed, cache_dir, *common, "--ckpt_path", str(middle))
+    assert torch.load(version_dir(resumed) / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=False)["global_step"] == STEPS
+    expected, got = checkpoint_weights(whole), checkpoint_weights(resumed)
+    assert distance(got, expected) <= 1e-3 * distance(expected, checkpoint_weights(first, middle.name))
