@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import typing
 import warnings
@@ -13,20 +12,20 @@ from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelCh
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
 from callbacks.gc_freeze import GCFreeze
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from callbacks.throughput import MFUMonitor
-from lm_systems.checkpoint_io import NonFiniteWeightsError, SafeCheckpointIO
+from lm_systems.checkpoint_io import SafeCheckpointIO
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.config import ModelConfig
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.errors import DEBUG_ENV, reported_errors, request_debug
 from lm_systems.generate import require_checkpoint_file
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
-from lm_systems.nonfinite import NonFiniteTrainingError
 from lm_systems.run_logger import run_version_of
 
 
@@ -82,12 +81,18 @@ class LMCLI(LightningCLI):
             "--resume_into_run", type=bool, default=False,
             help="with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version",
         )
+        parser.add_argument(
+            "--debug", type=bool, default=False,
+            help=f"on an error, show the whole traceback instead of one line (also {DEBUG_ENV}=1)",
+        )
         # The data windows are as long as the model's context.
         parser.link_arguments(("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
         config = self._subcommand_config()
+        if config.get("debug"):
+            request_debug()
         # Checked here, before LightningCLI reads the checkpoint's hyperparameters and Lightning builds anything.
         for name in SHORT_FLAGS:
             if config.get(name) is not None:
@@ -198,9 +203,9 @@ def _quiet_lightning() -> None:
 
 
 def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
-    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run. SIGTERM exits with 143 after
-    ``crash.ckpt`` is saved, so a scheduler reads the run as interrupted, not finished; a run stopped by
-    a non-finite loss or weights exits with 1 and the message, without a traceback.
+    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run. Errors end in one line with an exit
+    status (:mod:`lm_systems.errors`): SIGTERM exits with 143 after ``crash.ckpt`` is saved, so a scheduler reads the
+    run as interrupted, not finished; Ctrl-C with 130; a run stopped by a non-finite loss or weights with 1.
 
     ``run=False`` parses ``args`` (no subcommand) and builds the model, data and trainer without running.
     """
@@ -211,7 +216,7 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
         else:
             args = ["fit", *args]
     _quiet_lightning()
-    try:
+    with reported_errors():  # one line and an exit status (lm_systems.errors), not a traceback
         return LMCLI(
             LitLM,
             LMDataModule,
@@ -222,8 +227,3 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
             args=args,
             run=run,
         )
-    except SIGTERMException as stop:
-        raise SystemExit(128 + signal.SIGTERM) from stop
-    except (NonFiniteTrainingError, NonFiniteWeightsError) as diverged:  # its message says what to change; the traceback would bury it
-        print(f"error: {diverged}", file=sys.stderr)
-        raise SystemExit(1) from diverged

@@ -6,6 +6,8 @@ from typing import Literal, Optional
 
 import torch
 
+from lm_systems.errors import RunError
+
 NonFinitePolicy = Literal["stop", "skip"]
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -17,7 +19,7 @@ def divergence_advice(lr: Optional[float] = None) -> str:
             "and prefer --precision bf16-mixed to 16-mixed")
 
 
-class NonFiniteTrainingError(RuntimeError):
+class NonFiniteTrainingError(RunError):
     """Training produced a non-finite loss or gradient norm and was stopped."""
 
 

@@ -99,16 +99,19 @@ def test_the_user_sees_no_traceback(tmp_path):
 # -- SIGTERM, warnings ------------------------------------------------------------------------
 
 
-def test_sigterm_saves_crash_ckpt_and_exits_non_zero(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_crash_ckpt_and_exits_128_plus_its_number(tmp_path, signum):
+    """SIGTERM exits 143 and Ctrl-C 130 (Lightning's own exit status for Ctrl-C is 1)."""
     run = train_py(*FAST, "--max_steps", "100000", "--checkpointing_interval", "1", "--trainer.enable_progress_bar", "false")
     checkpoints = tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints"
     deadline = time.monotonic() + 240
     while not (checkpoints / "step=1.ckpt").exists():
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
         time.sleep(0.2)
-    run.send_signal(signal.SIGTERM)
+    run.send_signal(signum)
     _, err = run.communicate(timeout=120)
-    assert run.returncode == 128 + signal.SIGTERM, err
+    assert run.returncode == 128 + signum, err
     crash = torch.load(checkpoints / "crash.ckpt", weights_only=False)
     assert crash["global_step"] >= 1
     assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] >= 1
