@@ -254,8 +254,9 @@ class LitLM(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        if self._logs_this_step():  # a logged step just ended
-            self._nonfinite.check(self._nonfinite_advice())  # Lightning reads the logged values now anyway
+        # On a logged step Lightning reads the logged values now anyway; under "skip", also when the limit may be met.
+        if self._logs_this_step() or self._nonfinite.check_due():
+            self._nonfinite.check(self._nonfinite_advice())
 
     def _nonfinite_advice(self) -> str:
         return divergence_advice(self.hparams.lr)
