@@ -26,6 +26,7 @@ from lm_systems.errors import DEBUG_ENV, reported_errors, request_debug
 from lm_systems.generate import require_checkpoint_file
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
+from lm_systems.resume import RunConfigRecord, SavedSettings
 from lm_systems.run_logger import run_version_of
 
 
@@ -90,22 +91,30 @@ class LMCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
-        config = self._subcommand_config()
-        if config.get("debug"):
+        if self._subcommand_config().get("debug"):
             request_debug()
-        # Checked here, before LightningCLI reads the checkpoint's hyperparameters and Lightning builds anything.
-        for name in SHORT_FLAGS:
-            if config.get(name) is not None:
-                config.trainer[name] = config[name]
+        # Checked here, before Lightning reads the checkpoint or builds anything.
         try:
-            check_trainer_choices(config.trainer)
-            ckpt_path = config.get("ckpt_path")
+            ckpt_path, saved = self._subcommand_config().get("ckpt_path"), None
             if ckpt_path not in (None, "last", "best", "hpc", "registry"):  # Lightning's own names
                 require_checkpoint_file(ckpt_path, "--ckpt_path")
+                saved = SavedSettings(ckpt_path)
+                self.config = saved.under(parser, args, self.config)
+            config = self._subcommand_config()
+            for name in SHORT_FLAGS:
+                if config.get(name) is not None:
+                    config.trainer[name] = config[name]
+            check_trainer_choices(config.trainer)
+            if saved is not None:
+                saved.log_changes(config)
             if config.get("resume_into_run"):
                 self._log_into_the_checkpoints_run(config)
         except (ValueError, OSError) as error:
             parser.error(str(error))
+
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: LightningCLI's (a private method) parses the checkpoint's hyperparameters over the command line;
+        ``parse_arguments`` has already put them under it (:mod:`lm_systems.resume`)."""
 
     def instantiate_classes(self) -> None:
         try:
@@ -131,7 +140,7 @@ class LMCLI(LightningCLI):
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
-        defaults = [MFUMonitor(), GCFreeze()]
+        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(self._subcommand_config())]
         if trainer_config.get("logger") is not False:
             defaults.append(LearningRateMonitor(logging_interval="step"))
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]

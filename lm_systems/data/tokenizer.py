@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -66,3 +66,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """Hash of the tokenizer's full serialisation: any change to vocab, merges or settings changes it."""
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+
+
+def tokenizer_mismatch(saved: Optional[str], current: Optional[str]) -> Optional[str]:
+    """Why text tokenized by ``current`` (serialised) cannot continue a model trained with ``saved``, or None."""
+    if saved is None or current is None or saved == current:
+        return None
+
+    def describe(text: str) -> str:
+        tokenizer = Tokenizer.from_str(text)
+        return f"{tokenizer.get_vocab_size()} tokens, fingerprint {tokenizer_fingerprint(tokenizer)}"
+
+    return (f"the data's tokenizer ({describe(current)}) is not the checkpoint's ({describe(saved)}): the model's ids "
+            "would mean other text; resume with the --data.corpus, --data.vocab_size and --data.tokenizer it was "
+            "trained with")
