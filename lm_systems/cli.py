@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import typing
 import warnings
@@ -105,6 +106,7 @@ class LMCLI(LightningCLI):
                 if config.get(name) is not None:
                     config.trainer[name] = config[name]
             check_trainer_choices(config.trainer)
+            _logs_under_default_root_dir(config.trainer)
             if saved is not None:
                 saved.log_changes(config)
             if config.get("resume_into_run"):
@@ -178,6 +180,17 @@ class LMCLI(LightningCLI):
         save_dir, name, version = run
         logger.init_args.save_dir, logger.init_args.name, logger.init_args.version = save_dir, name, version
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")  # it is asked for
+
+
+def _logs_under_default_root_dir(trainer: Any) -> None:
+    """``--trainer.default_root_dir D`` puts the default logger's runs in ``D/logs/lm_systems/version_N`` (as the
+    default puts them in ``./logs/...``); a save_dir of the logger's own is kept."""
+    logger, root = trainer.get("logger"), trainer.get("default_root_dir")
+    default = TRAINER_DEFAULTS["logger"]
+    if root is None or getattr(logger, "class_path", None) != default["class_path"]:
+        return
+    if logger.init_args.save_dir == default["init_args"]["save_dir"]:
+        logger.init_args.save_dir = os.path.join(root, default["init_args"]["save_dir"])
 
 
 def _has(items: list[Any], kind: type) -> bool:

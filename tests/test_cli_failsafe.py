@@ -165,6 +165,13 @@ def test_two_runs_started_together_write_separate_folders(tmp_path):
     assert all((f / "checkpoints" / "step=1.ckpt").is_file() for f in folders)
 
 
+def test_default_root_dir_moves_the_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: None)  # build everything, train nothing
+    cli = main([*FAST, "--trainer.default_root_dir", str(tmp_path / "elsewhere")])
+    assert Path(cli.trainer.logger.log_dir) == tmp_path / "elsewhere" / "logs" / "lm_systems" / "version_0"
+    assert not (tmp_path / "logs").exists()
+
+
 def test_resume_into_run_continues_the_folder_and_the_bar_total(tmp_path):
     first = main([*FAST, "--max_steps", "4", "--checkpointing_interval", "2", "--trainer.enable_progress_bar", "false"])
     run_dir = Path(first.trainer.logger.log_dir).resolve()
