@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from lm_systems.data.cache_files import file_identity, fingerprint
-from lm_systems.data.generated_corpus import GENERATOR_VERSION, write_generated_corpus
+from lm_systems.data.generated_corpus import GENERATOR_VERSION, ensure_generated_corpus
 
 if TYPE_CHECKING:  # `datasets` is imported where a corpus is read: `train.py --help` does without it
     from datasets import Dataset, DatasetDict
@@ -93,8 +93,7 @@ def load_corpus(source: CorpusSource, cache_dir: str | Path, text_column: str) -
     if source.kind in ("text", "json"):
         require_utf8(Path(source.location), source.spec)
     if source.kind == GENERATED:
-        if not Path(source.location).is_file():
-            write_generated_corpus(source.location, source.identity["num_stories"], source.identity["seed"])
+        ensure_generated_corpus(source.location, source.identity["num_stories"], source.identity["seed"])
         loaded = load_dataset("text", data_files=source.location, keep_linebreaks=True, cache_dir=hf_cache)
     elif source.kind == "text":
         loaded = load_dataset("text", data_files=source.location, keep_linebreaks=True, cache_dir=hf_cache)

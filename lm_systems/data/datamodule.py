@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -13,6 +14,7 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from lm_systems.data.cache_files import cache_lock, fingerprint
+from lm_systems.data.checksums import sidecar_damage
 from lm_systems.data.corpus import CorpusSource, LazyCorpus, iter_texts, resolve_corpus
 from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_token_cache, token_cache_entry
 from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
@@ -228,7 +230,10 @@ class LMDataModule(L.LightningDataModule):
             return load_tokenizer(self.tokenizer_path)
         path = self.cache_dir / "tokenizers" / self._tokenizer_key() / "tokenizer.json"
         if path.is_file():
-            return load_tokenizer(path)
+            problem = sidecar_damage(path)
+            if problem is None:
+                return load_tokenizer(path)
+            warnings.warn(f"the cached tokenizer is damaged: {problem}; training it again", stacklevel=2)
         train_split = corpus.get()["train"]
         rank_zero_info(f"training a byte-level BPE (target {self.target_vocab_size} tokens) on {self.corpus!r}")
         texts = iter_texts(train_split, TOKENIZER_TRAINING_CHARS)

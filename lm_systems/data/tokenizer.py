@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from lm_systems.data.cache_files import atomic_write_path
+from lm_systems.data.checksums import checked_writer
 
 END_OF_TEXT = "<|endoftext|>"
 """Separates documents in the token stream; the tokenizer keeps it as one special token."""
@@ -41,9 +41,10 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
+    """Write ``tokenizer`` as ``path`` (a tokenizer.json), with a checksum (``checksums.sidecar_damage`` checks it)."""
     path = Path(path)
-    with atomic_write_path(path) as tmp:
-        tokenizer.save(str(tmp))
+    with checked_writer(path) as file:
+        file.write(tokenizer.to_str(pretty=True).encode())
     return path
 
 
