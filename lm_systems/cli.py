@@ -21,13 +21,15 @@ from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from callbacks.throughput import MFUMonitor
 from lm_systems.checkpoint_io import SafeCheckpointIO
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
-from lm_systems.config import ModelConfig
+from lm_systems.config import MODEL_SIZES, ModelConfig
+from lm_systems.config_files import check_config_files
 from lm_systems.data.datamodule import LMDataModule
-from lm_systems.errors import DEBUG_ENV, reported_errors, request_debug
+from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
 from lm_systems.generate import require_checkpoint_file
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
 from lm_systems.resume import RunConfigRecord, SavedSettings
+from lm_systems.strategy_flags import strategy_names_as_classes
 from lm_systems.run_logger import run_version_of
 
 
@@ -57,7 +59,11 @@ TRAINER_DEFAULTS = {
 
 
 def _data_context_length(size: str, context_length: Optional[int]) -> int:
-    return ModelConfig.from_name(size, context_length=context_length).context_length
+    """The model's context, which the data windows follow. A bad size or length is LitLM's to report (naming the
+    flag); jsonargparse would wrap an error raised here in a dump of this link."""
+    if context_length is not None:
+        return context_length
+    return MODEL_SIZES[size].context_length if size in MODEL_SIZES else ModelConfig.context_length
 
 
 class LMArgumentParser(LightningArgumentParser):
@@ -65,6 +71,17 @@ class LMArgumentParser(LightningArgumentParser):
 
     def print_usage(self, file: Any = None) -> None:
         (file or sys.stderr).write(f"usage: {self.prog} [-c CONFIG] [--key VALUE ...]\n")
+
+    def parse_args(self, args: Any = None, *more: Any, **kwargs: Any) -> Any:
+        args = strategy_names_as_classes(sys.argv[1:] if args is None else args)
+        try:
+            check_config_files(args)
+        except InputError as error:
+            self.error(str(error))
+        return super().parse_args(args, *more, **kwargs)
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> Any:
+        super().error(one_line(message), ex)
 
 
 class LMCLI(LightningCLI):
@@ -198,7 +215,8 @@ def _has(items: list[Any], kind: type) -> bool:
 
 
 def check_trainer_choices(trainer: Any) -> None:
-    """Strategy, precision and accelerator names, checked like a typed flag: an unknown one lists the valid ones."""
+    """Strategy, precision and accelerator names, checked like a typed flag: an unknown one lists the valid ones;
+    and the device count."""
     from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
@@ -214,6 +232,12 @@ def check_trainer_choices(trainer: Any) -> None:
         value = trainer.get(name)
         if isinstance(value, (str, int)) and str(value) not in valid:  # an object from a YAML config is Lightning's to check
             raise ValueError(f"--{name} (--trainer.{name}) {value!r} is not one of: {', '.join(valid)}")
+    devices = trainer.get("devices")
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and not (devices > 0 or devices == -1):
+        raise ValueError(f"--devices (--trainer.devices) {devices} is not a count > 0, -1 (all), 'auto' or a list "
+                         "such as '0,1'")
 
 
 def _quiet_lightning() -> None:

@@ -75,13 +75,24 @@ def free_space(path: str | Path) -> str:
 
 def write_error_message(error: OSError) -> str:
     where = f"{str(error.filename)!r}" if error.filename else "a file"
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
     return (f"cannot write {where}: {error.strerror or error} ({free_space(error.filename or '.')} on its filesystem); "
-            "free some space or write elsewhere: --trainer.default_root_dir for logs and checkpoints, "
-            "--data.cache_dir for the data cache")
+            f"{'free some space or ' if full else ''}write elsewhere: --trainer.default_root_dir for logs and "
+            "checkpoints, --data.cache_dir for the data cache")
 
 
 def one_line(text: str) -> str:
-    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+    """``text`` as one line. jsonargparse's dump of a value no Union subtype took (type, value and every subtype's
+    error) keeps the errors that explain: not "Expected a <class 'str'>" for a strategy given as a class."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    if any(line.startswith("Does not validate against any of the Union subtypes") for line in lines):
+        errors = [line[2:] for line in lines if line.startswith("- ")]
+        telling = [error for error in errors if not error.startswith(_UNTELLING)]
+        lines = [line for line in lines if line.startswith("Parser key")] + (telling or errors)
+    return " ".join(lines)
+
+
+_UNTELLING = ("Expected a <class", "Expected a dot import path", "Not a valid subclass", "Import path")
 
 
 def _exit(message: str, status: int, error: BaseException) -> None:

@@ -9,6 +9,7 @@ from typing import Iterable, Optional
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lm_systems.data.checksums import checked_writer
+from lm_systems.errors import InputError
 
 END_OF_TEXT = "<|endoftext|>"
 """Separates documents in the token stream; the tokenizer keeps it as one special token."""
@@ -22,7 +23,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """
     minimum = len(pre_tokenizers.ByteLevel.alphabet()) + 1
     if vocab_size < minimum:
-        raise ValueError(f"--data.vocab_size must be at least {minimum} (256 bytes + {END_OF_TEXT}), got {vocab_size}")
+        raise InputError(f"--data.vocab_size must be at least {minimum} (256 bytes + {END_OF_TEXT}), got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     # No normaliser and no prefix space: the text is kept byte for byte, so decode(encode(s)) == s.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -58,9 +59,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as error:  # the Rust side raises a bare Exception on a malformed file
-        raise ValueError(f"--data.tokenizer {str(path)!r} is not a readable tokenizer.json: {error}") from error
+        raise InputError(f"--data.tokenizer {str(path)!r} is not a readable tokenizer.json: {error}") from error
     if tokenizer.token_to_id(END_OF_TEXT) is None:
-        raise ValueError(f"--data.tokenizer {str(path)!r} has no {END_OF_TEXT} token to separate documents with")
+        raise InputError(f"--data.tokenizer {str(path)!r} has no {END_OF_TEXT} token to separate documents with")
     return tokenizer
 
 
