@@ -99,6 +99,7 @@ class LitLM(L.LightningModule):
         self.val_loss = MeanMetric()
         self._nonfinite = NonFiniteGuard(on_nonfinite, max_consecutive_skips)
         self._last_loss: torch.Tensor | None = None
+        self._optimizer_settings: list[dict[str, Any]] | None = None  # from configure_optimizers
 
     @property
     def config(self) -> ModelConfig:
@@ -183,7 +184,7 @@ class LitLM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
 
     def on_train_start(self) -> None:
-        if self.trainer.ckpt_path is not None:
+        if self.trainer.ckpt_path is not None and self._optimizer_settings is not None:
             self._take_this_runs_optimizer_settings()
 
     def _take_this_runs_optimizer_settings(self) -> None:
