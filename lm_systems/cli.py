@@ -29,8 +29,8 @@ from lm_systems.generate import require_checkpoint_file
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
 from lm_systems.resume import RunConfigRecord, SavedSettings
-from lm_systems.strategy_flags import strategy_names_as_classes
 from lm_systems.run_logger import run_version_of
+from lm_systems.strategy_flags import strategy_names_as_classes
 
 
 SHORT_FLAGS: dict[str, tuple[type, str]] = {
