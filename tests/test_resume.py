@@ -13,6 +13,7 @@ import yaml
 from lm_systems.cli import main
 from lm_systems.lit_module import LitLM
 
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
 FAST = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",
         "--model.context_length", "16", "--model.sample_prompt", "", "--data.generated_stories", "300",
         "--data.vocab_size", "280", "--data.batch_size", "2", "--data.val_batches", "1",
