@@ -14,10 +14,11 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lm_systems.data.cache_files import atomic_write_path
+from lm_systems.errors import RunError
 from lm_systems.nonfinite import divergence_advice
 
 
-class NonFiniteWeightsError(RuntimeError):
+class NonFiniteWeightsError(RunError):
     """A checkpoint was not written because the weights hold NaN or inf."""
 
     def __init__(self, step: Optional[int], path: _PATH) -> None:

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lm_systems.checkpoint_io import NonFiniteWeightsError, link_atomically, weights_are_finite
+from lm_systems.errors import WRITE_ERRNOS, RunError, os_error_in
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -79,7 +80,8 @@ class CrashCheckpoint(Checkpoint):
 
     Lightning's OnExceptionCheckpoint needs its folder before the run has one, and its presence makes
     every ``fit`` without ``ckpt_path`` look for a checkpoint to resume (with two warnings). Skipped
-    before the first step, after a refused non-finite save (already reported), and in distributed runs,
+    before the first step, after non-finite training (its weights are not saved) or a failed write (a full disk,
+    an unwritable folder: a save would fail too), and in distributed runs,
     where the save's collectives would wait on ranks that may be gone. A failure to save is a warning:
     the exception that stopped the run is the one to surface. A fit that finishes removes an older
     ``crash.ckpt`` from its folder (the one it resumed from).
@@ -89,7 +91,9 @@ class CrashCheckpoint(Checkpoint):
 
     @override
     def on_exception(self, trainer: "L.Trainer", pl_module: "L.LightningModule", exception: BaseException) -> None:
-        if trainer.world_size > 1 or trainer.global_step == 0 or isinstance(exception, NonFiniteWeightsError):
+        if trainer.world_size > 1 or trainer.global_step == 0 or isinstance(exception, RunError):
+            return
+        if getattr(os_error_in(exception), "errno", None) in WRITE_ERRNOS:  # a save would meet the same full disk
             return
         path = self._path(trainer)
         if path is None:

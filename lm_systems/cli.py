@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import signal
+import os
 import sys
 import typing
 import warnings
@@ -13,21 +13,24 @@ from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelCh
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
 from callbacks.gc_freeze import GCFreeze
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from callbacks.throughput import MFUMonitor
-from lm_systems.checkpoint_io import NonFiniteWeightsError, SafeCheckpointIO
+from lm_systems.checkpoint_io import SafeCheckpointIO
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
-from lm_systems.config import ModelConfig
+from lm_systems.config import MODEL_SIZES, ModelConfig
+from lm_systems.config_files import check_config_files
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
 from lm_systems.generate import require_checkpoint_file
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
-from lm_systems.nonfinite import NonFiniteTrainingError
+from lm_systems.resume import RunConfigRecord, SavedSettings
 from lm_systems.run_logger import run_version_of
+from lm_systems.strategy_flags import strategy_names_as_classes
 
 
 SHORT_FLAGS: dict[str, tuple[type, str]] = {
@@ -56,7 +59,11 @@ TRAINER_DEFAULTS = {
 
 
 def _data_context_length(size: str, context_length: Optional[int]) -> int:
-    return ModelConfig.from_name(size, context_length=context_length).context_length
+    """The model's context, which the data windows follow. A bad size or length is LitLM's to report (naming the
+    flag); jsonargparse would wrap an error raised here in a dump of this link."""
+    if context_length is not None:
+        return context_length
+    return MODEL_SIZES[size].context_length if size in MODEL_SIZES else ModelConfig.context_length
 
 
 class LMArgumentParser(LightningArgumentParser):
@@ -64,6 +71,17 @@ class LMArgumentParser(LightningArgumentParser):
 
     def print_usage(self, file: Any = None) -> None:
         (file or sys.stderr).write(f"usage: {self.prog} [-c CONFIG] [--key VALUE ...]\n")
+
+    def parse_args(self, args: Any = None, *more: Any, **kwargs: Any) -> Any:
+        args = strategy_names_as_classes(sys.argv[1:] if args is None else args)
+        try:
+            check_config_files(args)
+        except InputError as error:
+            self.error(str(error))
+        return super().parse_args(args, *more, **kwargs)
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> Any:
+        super().error(one_line(message), ex)
 
 
 class LMCLI(LightningCLI):
@@ -82,25 +100,40 @@ class LMCLI(LightningCLI):
             "--resume_into_run", type=bool, default=False,
             help="with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version",
         )
+        parser.add_argument(
+            "--debug", type=bool, default=False,
+            help=f"on an error, show the whole traceback instead of one line (also {DEBUG_ENV}=1)",
+        )
         # The data windows are as long as the model's context.
         parser.link_arguments(("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
-        config = self._subcommand_config()
-        # Checked here, before LightningCLI reads the checkpoint's hyperparameters and Lightning builds anything.
-        for name in SHORT_FLAGS:
-            if config.get(name) is not None:
-                config.trainer[name] = config[name]
+        if self._subcommand_config().get("debug"):
+            request_debug()
+        # Checked here, before Lightning reads the checkpoint or builds anything.
         try:
-            check_trainer_choices(config.trainer)
-            ckpt_path = config.get("ckpt_path")
+            ckpt_path, saved = self._subcommand_config().get("ckpt_path"), None
             if ckpt_path not in (None, "last", "best", "hpc", "registry"):  # Lightning's own names
                 require_checkpoint_file(ckpt_path, "--ckpt_path")
+                saved = SavedSettings(ckpt_path)
+                self.config = saved.under(parser, args, self.config)
+            config = self._subcommand_config()
+            for name in SHORT_FLAGS:
+                if config.get(name) is not None:
+                    config.trainer[name] = config[name]
+            check_trainer_choices(config.trainer)
+            _logs_under_default_root_dir(config.trainer)
+            if saved is not None:
+                saved.log_changes(config)
             if config.get("resume_into_run"):
                 self._log_into_the_checkpoints_run(config)
         except (ValueError, OSError) as error:
             parser.error(str(error))
+
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: LightningCLI's (a private method) parses the checkpoint's hyperparameters over the command line;
+        ``parse_arguments`` has already put them under it (:mod:`lm_systems.resume`)."""
 
     def instantiate_classes(self) -> None:
         try:
@@ -126,7 +159,7 @@ class LMCLI(LightningCLI):
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
-        defaults = [MFUMonitor(), GCFreeze()]
+        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(self._subcommand_config())]
         if trainer_config.get("logger") is not False:
             defaults.append(LearningRateMonitor(logging_interval="step"))
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
@@ -166,12 +199,24 @@ class LMCLI(LightningCLI):
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")  # it is asked for
 
 
+def _logs_under_default_root_dir(trainer: Any) -> None:
+    """``--trainer.default_root_dir D`` puts the default logger's runs in ``D/logs/lm_systems/version_N`` (as the
+    default puts them in ``./logs/...``); a save_dir of the logger's own is kept."""
+    logger, root = trainer.get("logger"), trainer.get("default_root_dir")
+    default = TRAINER_DEFAULTS["logger"]
+    if root is None or getattr(logger, "class_path", None) != default["class_path"]:
+        return
+    if logger.init_args.save_dir == default["init_args"]["save_dir"]:
+        logger.init_args.save_dir = os.path.join(root, default["init_args"]["save_dir"])
+
+
 def _has(items: list[Any], kind: type) -> bool:
     return any(isinstance(item, kind) for item in items)
 
 
 def check_trainer_choices(trainer: Any) -> None:
-    """Strategy, precision and accelerator names, checked like a typed flag: an unknown one lists the valid ones."""
+    """Strategy, precision and accelerator names, checked like a typed flag: an unknown one lists the valid ones;
+    and the device count."""
     from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
@@ -187,6 +232,12 @@ def check_trainer_choices(trainer: Any) -> None:
         value = trainer.get(name)
         if isinstance(value, (str, int)) and str(value) not in valid:  # an object from a YAML config is Lightning's to check
             raise ValueError(f"--{name} (--trainer.{name}) {value!r} is not one of: {', '.join(valid)}")
+    devices = trainer.get("devices")
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and not (devices > 0 or devices == -1):
+        raise ValueError(f"--devices (--trainer.devices) {devices} is not a count > 0, -1 (all), 'auto' or a list "
+                         "such as '0,1'")
 
 
 def _quiet_lightning() -> None:
@@ -198,9 +249,9 @@ def _quiet_lightning() -> None:
 
 
 def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
-    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run. SIGTERM exits with 143 after
-    ``crash.ckpt`` is saved, so a scheduler reads the run as interrupted, not finished; a run stopped by
-    a non-finite loss or weights exits with 1 and the message, without a traceback.
+    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run. Errors end in one line with an exit
+    status (:mod:`lm_systems.errors`): SIGTERM exits with 143 after ``crash.ckpt`` is saved, so a scheduler reads the
+    run as interrupted, not finished; Ctrl-C with 130; a run stopped by a non-finite loss or weights with 1.
 
     ``run=False`` parses ``args`` (no subcommand) and builds the model, data and trainer without running.
     """
@@ -211,7 +262,7 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
         else:
             args = ["fit", *args]
     _quiet_lightning()
-    try:
+    with reported_errors():  # one line and an exit status (lm_systems.errors), not a traceback
         return LMCLI(
             LitLM,
             LMDataModule,
@@ -222,8 +273,3 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
             args=args,
             run=run,
         )
-    except SIGTERMException as stop:
-        raise SystemExit(128 + signal.SIGTERM) from stop
-    except (NonFiniteTrainingError, NonFiniteWeightsError) as diverged:  # its message says what to change; the traceback would bury it
-        print(f"error: {diverged}", file=sys.stderr)
-        raise SystemExit(1) from diverged

@@ -25,7 +25,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"--model.{name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"

@@ -6,13 +6,16 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tokenizers import Tokenizer
 
+from lm_systems.errors import DEBUG_ENV, reported_errors, request_debug
 from lm_systems.lit_module import LitLM
 from lm_systems.model import TransformerLM
 from lm_systems.sampling import sample_text
@@ -64,29 +67,69 @@ def _stored_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer.from_str(entries["tokenizer"])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
-    parser.add_argument("--prompt", default="Once upon a time", help="text to continue")
-    parser.add_argument("--max_new_tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    parser.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass")
-    parser.add_argument("--num_samples", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each option's default."""
 
+
+def _number(kind: type, low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: ``kind(text)`` within [low, high] (low excluded when ``low_open``), else a one-line error."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if value < low or (low_open and value == low) or value > high:
+            interval = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high < math.inf else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {'in ' if high < math.inf else ''}{interval}, got {text}")
+        return value
+
+    return parse
+
+
+def _check_device(name: str) -> str:
+    """Why ``name`` cannot be used here, or an empty string."""
     try:
-        model, tokenizer = load_checkpoint(args.ckpt, device=args.device)
-    except (ValueError, OSError) as error:  # the message names --ckpt; a traceback would bury it
-        parser.error(str(error))
-    generator = torch.Generator().manual_seed(args.seed)
-    for i in range(args.num_samples):
-        text = sample_text(
-            model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_p=args.top_p, generator=generator,
-        )
-        print(f"--- sample {i + 1} ---\n{text}")
+        device = torch.device(name)
+    except RuntimeError:
+        return f"--device {name!r} is not a device (cpu, cuda, cuda:1, ...)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {name!r}: no CUDA device is available here; pass --device cpu"
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        return f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices (cuda:0 ...)"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--ckpt", required=True, default=argparse.SUPPRESS, help="checkpoint written by train.py")
+    parser.add_argument("--prompt", default="Once upon a time", help="text to continue (not empty)")
+    parser.add_argument("--max_new_tokens", type=_number(int, 1), default=100, help="tokens to add at most")
+    parser.add_argument("--temperature", type=_number(float, 0), default=0.8, help="0 means greedy")
+    parser.add_argument("--top_p", type=_number(float, 0, 1, low_open=True), default=0.9, help="nucleus sampling mass")
+    parser.add_argument("--num_samples", type=_number(int, 1), default=1, help="samples to print")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the sampling")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to run the model")
+    parser.add_argument("--debug", action="store_true", help=f"on an error, show the traceback (also {DEBUG_ENV}=1)")
+    args = parser.parse_args(argv)
+    if not args.prompt:
+        parser.error("--prompt is empty: give some text to continue")
+    if _check_device(args.device):
+        parser.error(_check_device(args.device))
+    if args.debug:
+        request_debug()
+
+    with reported_errors():
+        try:
+            model, tokenizer = load_checkpoint(args.ckpt, device=args.device)
+        except (ValueError, OSError) as error:  # the message names --ckpt; a traceback would bury it
+            parser.error(str(error))
+        generator = torch.Generator().manual_seed(args.seed)
+        for i in range(args.num_samples):
+            text = sample_text(
+                model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, top_p=args.top_p, generator=generator,
+            )
+            print(f"--- sample {i + 1} ---\n{text}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from torchmetrics import MeanMetric
 
 from lm_systems.attention import describe_attention, resolve_attention_name
 from lm_systems.config import ModelConfig
+from lm_systems.data.tokenizer import tokenizer_mismatch
+from lm_systems.errors import InputError
 from lm_systems.model import TransformerLM
 from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy, divergence_advice
 from lm_systems.optim import adamw_param_groups, make_adamw
@@ -98,6 +100,7 @@ class LitLM(L.LightningModule):
         self.val_loss = MeanMetric()
         self._nonfinite = NonFiniteGuard(on_nonfinite, max_consecutive_skips)
         self._last_loss: torch.Tensor | None = None
+        self._optimizer_settings: list[dict[str, Any]] | None = None  # from configure_optimizers
 
     @property
     def config(self) -> ModelConfig:
@@ -126,12 +129,13 @@ class LitLM(L.LightningModule):
             self._config = replace(self._config, vocab_size=data_vocab)
             self.hparams["vocab_size"] = data_vocab  # checkpoints record the resolved value
         if data_vocab is not None and data_vocab > self.config.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {data_vocab} tokens but model.vocab_size is {self.config.vocab_size}: "
-                "raise --model.vocab_size (or leave it unset to follow the tokenizer)"
+            raise InputError(
+                f"the tokenizer has {data_vocab} tokens but model.vocab_size is {self.config.vocab_size}: raise "
+                "--model.vocab_size (or leave it unset to follow the tokenizer); resuming from a checkpoint, use the "
+                "--data.corpus, --data.vocab_size and --data.tokenizer it was trained with"
             )
         if data_context is not None and data_context > self.config.context_length:
-            raise ValueError(
+            raise InputError(
                 f"data windows of {data_context} tokens exceed the model's context_length "
                 f"{self.config.context_length}: set --model.context_length to at least {data_context}"
             )
@@ -172,13 +176,30 @@ class LitLM(L.LightningModule):
                                self.hparams.betas)
         decay_steps = self.hparams.decay_steps or self.trainer.max_steps
         if decay_steps is None or decay_steps <= 0:
-            raise ValueError("the cosine schedule needs a length: set --max_steps (or --model.decay_steps)")
+            raise InputError("the cosine schedule needs a length: set --max_steps (or --model.decay_steps)")
+        # This run's settings, before the scheduler adds its own: a resumed run restores the checkpoint's over them.
+        self._optimizer_settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         warmup, min_ratio = self.hparams.warmup_steps, self.hparams.min_lr_ratio
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, warmup, decay_steps, min_ratio)
         )
         # The name is the tag LearningRateMonitor logs the rate under.
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
+
+    def on_train_start(self) -> None:
+        if self.trainer.ckpt_path is not None and self._optimizer_settings is not None:
+            self._take_this_runs_optimizer_settings()
+
+    def _take_this_runs_optimizer_settings(self) -> None:
+        """Lightning restores the optimizer's and the schedule's state with the settings they were saved with (peak
+        learning rate, betas, weight decay); a resumed run trains with its own, at the schedule's current step."""
+        optimizer = self.trainer.optimizers[0]
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        for group, settings in zip(optimizer.param_groups, self._optimizer_settings):
+            group.update(settings, initial_lr=settings["lr"])
+        scheduler.base_lrs = [settings["lr"] for settings in self._optimizer_settings]
+        for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base_lr * factor(scheduler.last_epoch)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -215,7 +236,7 @@ class LitLM(L.LightningModule):
         unscales inside ``step()`` (fused AdamW), even under bf16-mixed where nothing is scaled.
         """
         if gradient_clip_val and gradient_clip_algorithm not in (None, "norm"):
-            raise ValueError(
+            raise InputError(
                 f"only clipping by norm is supported, got --trainer.gradient_clip_algorithm {gradient_clip_algorithm}"
             )
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
@@ -257,8 +278,9 @@ class LitLM(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        if self._logs_this_step():  # a logged step just ended
-            self._nonfinite.check(self._nonfinite_advice())  # Lightning reads the logged values now anyway
+        # On a logged step Lightning reads the logged values now anyway; under "skip", also when the limit may be met.
+        if self._logs_this_step() or self._nonfinite.check_due():
+            self._nonfinite.check(self._nonfinite_advice())
 
     def _nonfinite_advice(self) -> str:
         return divergence_advice(self.hparams.lr)
@@ -278,6 +300,13 @@ class LitLM(L.LightningModule):
         self.log("val/perplexity", loss.exp(), sync_dist=True)
 
     # -- checkpoints and the closing sample --------------------------------------------------
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A run resumed by a Trainer must tokenize its data as the checkpoint's run did."""
+        tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None)
+        mismatch = tokenizer_mismatch(checkpoint.get("tokenizer"), tokenizer.to_str() if tokenizer else None)
+        if mismatch is not None:
+            raise InputError(mismatch)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._nonfinite.check(self._nonfinite_advice())  # never a checkpoint of weights that went non-finite

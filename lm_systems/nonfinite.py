@@ -6,6 +6,8 @@ from typing import Literal, Optional
 
 import torch
 
+from lm_systems.errors import RunError
+
 NonFinitePolicy = Literal["stop", "skip"]
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -17,7 +19,7 @@ def divergence_advice(lr: Optional[float] = None) -> str:
             "and prefer --precision bf16-mixed to 16-mixed")
 
 
-class NonFiniteTrainingError(RuntimeError):
+class NonFiniteTrainingError(RunError):
     """Training produced a non-finite loss or gradient norm and was stopped."""
 
 
@@ -27,7 +29,8 @@ class NonFiniteGuard:
     ``observe`` only queues device work and returns the step's "bad" flag (a 0-dim bool tensor);
     ``check`` reads the record (one host sync) and raises ``NonFiniteTrainingError`` when training
     must stop: under ``"stop"`` at the first bad step, under ``"skip"`` (the caller drops bad steps'
-    updates) once ``max_consecutive_skips`` bad steps came in a row.
+    updates) once ``max_consecutive_skips`` bad steps came in a row. ``check_due`` says when a check is needed
+    for that limit to stop the run at exactly its length.
     """
 
     def __init__(self, policy: NonFinitePolicy = "stop", max_consecutive_skips: int = 10) -> None:
@@ -39,6 +42,8 @@ class NonFiniteGuard:
         self.max_consecutive_skips = max_consecutive_skips
         self._first_bad_step: Optional[torch.Tensor] = None  # -1 until a bad step is seen
         self._skipped = self._run = None  # bad steps in all, and in the current run of them
+        self._observed = 0  # steps observed, counted on the host
+        self._checked_at = self._run_at_check = 0  # steps observed and the run's length at the last check
 
     def observe(self, step: int, *values: Optional[torch.Tensor]) -> torch.Tensor:
         """Record optimizer step ``step`` from its scalar ``values`` (None entries are ignored)."""
@@ -52,7 +57,14 @@ class NonFiniteGuard:
         self._first_bad_step = torch.where(first_seen, step, self._first_bad_step)
         self._skipped = self._skipped + bad
         self._run = (self._run + 1) * bad
+        self._observed += 1
         return bad
+
+    def check_due(self) -> bool:
+        """Whether, under ``"skip"``, the run of bad steps may have reached the limit since the last check: it grows
+        by at most one a step, so not before ``max_consecutive_skips`` minus its length then steps have passed."""
+        since = self._observed - self._checked_at
+        return self.policy == "skip" and since > 0 and since >= self.max_consecutive_skips - self._run_at_check
 
     @property
     def skipped_steps(self) -> Optional[torch.Tensor]:
@@ -64,6 +76,7 @@ class NonFiniteGuard:
         if self._first_bad_step is None:
             return
         first_bad, run = int(self._first_bad_step), int(self._run)
+        self._checked_at, self._run_at_check = self._observed, run
         if self.policy == "stop" and first_bad >= 0:
             raise NonFiniteTrainingError(
                 f"the loss or gradient norm was not finite at optimizer step {first_bad}: training stopped, and no "

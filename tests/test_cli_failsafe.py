@@ -99,16 +99,19 @@ def test_the_user_sees_no_traceback(tmp_path):
 # -- SIGTERM, warnings ------------------------------------------------------------------------
 
 
-def test_sigterm_saves_crash_ckpt_and_exits_non_zero(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_crash_ckpt_and_exits_128_plus_its_number(tmp_path, signum):
+    """SIGTERM exits 143 and Ctrl-C 130 (Lightning's own exit status for Ctrl-C is 1)."""
     run = train_py(*FAST, "--max_steps", "100000", "--checkpointing_interval", "1", "--trainer.enable_progress_bar", "false")
     checkpoints = tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints"
     deadline = time.monotonic() + 240
     while not (checkpoints / "step=1.ckpt").exists():
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
         time.sleep(0.2)
-    run.send_signal(signal.SIGTERM)
+    run.send_signal(signum)
     _, err = run.communicate(timeout=120)
-    assert run.returncode == 128 + signal.SIGTERM, err
+    assert run.returncode == 128 + signum, err
     crash = torch.load(checkpoints / "crash.ckpt", weights_only=False)
     assert crash["global_step"] >= 1
     assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] >= 1
@@ -131,6 +134,7 @@ def test_a_diverging_run_stops_non_zero_and_keeps_no_non_finite_checkpoint(tmp_p
     _, err = run.communicate(timeout=300)
     assert run.returncode != 0
     assert "--model.lr" in err and "--trainer.gradient_clip_val" in err, err[-3000:]
+    assert "Traceback" not in err and "could not save" not in err, err[-3000:]  # no crash.ckpt of diverged weights tried
     saved = list(tmp_path.rglob("*.ckpt"))
     assert any(path.name == "last.ckpt" for path in saved) and len(saved) >= 2
     for path in saved:
@@ -160,6 +164,13 @@ def test_two_runs_started_together_write_separate_folders(tmp_path):
     seeds = {(f / "config.yaml").read_text().split("seed_everything: ")[1].split()[0] for f in folders[1:]}
     assert seeds == {"1", "2"}
     assert all((f / "checkpoints" / "step=1.ckpt").is_file() for f in folders)
+
+
+def test_default_root_dir_moves_the_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: None)  # build everything, train nothing
+    cli = main([*FAST, "--trainer.default_root_dir", str(tmp_path / "elsewhere")])
+    assert Path(cli.trainer.logger.log_dir) == tmp_path / "elsewhere" / "logs" / "lm_systems" / "version_0"
+    assert not (tmp_path / "logs").exists()
 
 
 def test_resume_into_run_continues_the_folder_and_the_bar_total(tmp_path):

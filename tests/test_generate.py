@@ -82,3 +82,36 @@ def test_the_command_line_reports_a_bad_checkpoint_in_one_line(tmp_path, capsys)
         main(["--ckpt", str(tmp_path / "missing.ckpt")])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--ckpt" in err and "does not exist" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--max_new_tokens", "0"], "argument --max_new_tokens: must be >= 1, got 0"),
+        (["--max_new_tokens", "-1"], "argument --max_new_tokens: must be >= 1, got -1"),
+        (["--num_samples", "0"], "argument --num_samples: must be >= 1, got 0"),
+        (["--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+        (["--top_p", "0"], "argument --top_p: must be in (0, 1], got 0"),
+        (["--top_p", "1.5"], "argument --top_p: must be in (0, 1], got 1.5"),
+        (["--prompt", ""], "--prompt is empty: give some text to continue"),
+        (["--device", "gpu7"], "--device 'gpu7' is not a device (cpu, cuda, cuda:1, ...)"),
+        pytest.param(["--device", "cuda"], "--device 'cuda': no CUDA device is available here; pass --device cpu",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
+    ],
+)
+def test_bad_arguments_are_one_line_usage_errors(trained, capsys, args, says):
+    _, _, path = trained
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ckpt", str(path), *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(f"error: {says}"), err
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exit_.value.code == 0
+    for default in ("(default: 100)", "(default: 0.8)", "(default: 0.9)", "(default: Once upon a time)"):
+        assert default in out, out

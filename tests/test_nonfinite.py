@@ -60,13 +60,13 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data_cache")
 
 
-def fit(cache_dir: Path, poisoned: set[int], steps: int, **model) -> _PoisonedLM:
+def fit(cache_dir: Path, poisoned: set[int], steps: int, log_every_n_steps: int = 2, **model) -> _PoisonedLM:
     L.seed_everything(0)
     module = _PoisonedLM(poisoned, **{**MODEL, **model})
     data = LMDataModule(cache_dir=str(cache_dir), generated_stories=300, vocab_size=300, context_length=16, batch_size=2)
     trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        log_every_n_steps=2, gradient_clip_val=1.0)
+                        log_every_n_steps=log_every_n_steps, gradient_clip_val=1.0)
     trainer.fit(module, datamodule=data)
     return module
 
@@ -83,3 +83,23 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(cache_dir):
 def test_stop_raises_at_the_next_logged_step_naming_the_step(cache_dir):
     with pytest.raises(NonFiniteTrainingError, match="optimizer step 2:"):
         fit(cache_dir, {2}, steps=8, on_nonfinite="stop")
+
+
+def test_skip_stops_at_exactly_the_limit_between_logged_steps(cache_dir):
+    """--model.max_consecutive_skips 3 with a log every 10 steps: the run stops after the third bad step in a row,
+    not at the next logged step (which had let it run to 8)."""
+    with pytest.raises(NonFiniteTrainingError, match=r"^3 optimizer steps in a row"):
+        fit(cache_dir, set(range(2, 40)), steps=40, log_every_n_steps=10, on_nonfinite="skip", max_consecutive_skips=3)
+
+
+def test_check_due_only_when_the_limit_may_have_been_reached():
+    guard = NonFiniteGuard("skip", max_consecutive_skips=4)
+    due = []
+    for step, loss in enumerate([ONE, ONE, ONE, ONE, NAN, NAN, ONE, ONE]):
+        guard.observe(step, loss)
+        due.append(guard.check_due())
+        if due[-1]:
+            guard.check("advice")
+    # First check after 4 steps (run 0); the next no sooner than 4 - 0 steps later, then 4 - 0 again.
+    assert due == [False, False, False, True, False, False, False, True]
+    assert not NonFiniteGuard("stop").check_due()

@@ -12,13 +12,16 @@ from typing import Any, Iterator
 
 from filelock import FileLock
 
+from lm_systems.errors import os_error_in
+
 
 @contextlib.contextmanager
 def atomic_write_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds.
 
     A crash (or Ctrl-C) mid-write leaves a ``*.tmp-*`` file that nothing reads, never a half-written
-    ``path`` that a later run would trust. The rename is atomic on POSIX within one filesystem.
+    ``path`` that a later run would trust. The rename is atomic on POSIX within one filesystem. An OSError
+    (a full disk: torch.save raises a RuntimeError while handling it) is raised again naming ``path``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -26,6 +29,11 @@ def atomic_write_path(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:
+        cause = os_error_in(error)
+        if cause is None or cause.filename is not None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from error
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from lm_systems.data.cache_files import file_identity, fingerprint
-from lm_systems.data.generated_corpus import GENERATOR_VERSION, write_generated_corpus
+from lm_systems.data.generated_corpus import GENERATOR_VERSION, ensure_generated_corpus
+from lm_systems.errors import InputError
 
 if TYPE_CHECKING:  # `datasets` is imported where a corpus is read: `train.py --help` does without it
     from datasets import Dataset, DatasetDict
@@ -93,8 +94,7 @@ def load_corpus(source: CorpusSource, cache_dir: str | Path, text_column: str) -
     if source.kind in ("text", "json"):
         require_utf8(Path(source.location), source.spec)
     if source.kind == GENERATED:
-        if not Path(source.location).is_file():
-            write_generated_corpus(source.location, source.identity["num_stories"], source.identity["seed"])
+        ensure_generated_corpus(source.location, source.identity["num_stories"], source.identity["seed"])
         loaded = load_dataset("text", data_files=source.location, keep_linebreaks=True, cache_dir=hf_cache)
     elif source.kind == "text":
         loaded = load_dataset("text", data_files=source.location, keep_linebreaks=True, cache_dir=hf_cache)
@@ -144,7 +144,7 @@ def require_utf8(path: Path, spec: str, chunk_bytes: int = 1 << 20) -> None:
             try:
                 decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as error:
-                raise ValueError(
+                raise InputError(
                     f"--data.corpus {spec!r}: {str(path)!r} is not UTF-8 text (byte {offset + error.start} is "
                     f"{chunk[error.start:error.start + 1]!r}); pass a text file in UTF-8 (convert with "
                     "`iconv -f <its encoding> -t UTF-8`), or a .parquet file or saved dataset"
@@ -176,7 +176,7 @@ def _train_and_validation(splits: DatasetDict, source: CorpusSource) -> DatasetD
     elif len(splits) == 1:
         train = next(iter(splits.values()))
     else:
-        raise ValueError(f"--data.corpus {source.spec!r} has splits {sorted(splits)} but none named 'train'")
+        raise InputError(f"--data.corpus {source.spec!r} has splits {sorted(splits)} but none named 'train'")
     result = DatasetDict(train=train)
     validation = next((name for name in VALIDATION_SPLITS if name in splits), None)
     if validation is not None:
@@ -186,11 +186,11 @@ def _train_and_validation(splits: DatasetDict, source: CorpusSource) -> DatasetD
 
 def _text_only(split: Dataset, column: str, source: CorpusSource) -> Dataset:
     if column not in split.column_names:
-        raise ValueError(
+        raise InputError(
             f"--data.text_column {column!r} is not a column of --data.corpus {source.spec!r} "
             f"(its columns: {', '.join(split.column_names)})"
         )
     if split.num_rows == 0:
-        raise ValueError(f"--data.corpus {source.spec!r} is empty: it has no rows of text")
+        raise InputError(f"--data.corpus {source.spec!r} is empty: it has no rows of text")
     split = split.select_columns([column])
     return split.rename_column(column, "text") if column != "text" else split

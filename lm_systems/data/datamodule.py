@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -13,10 +14,12 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from lm_systems.data.cache_files import cache_lock, fingerprint
+from lm_systems.data.checksums import sidecar_damage
 from lm_systems.data.corpus import CorpusSource, LazyCorpus, iter_texts, resolve_corpus
 from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_token_cache, token_cache_entry
 from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
+from lm_systems.errors import InputError
 
 TOKENIZER_TRAINING_CHARS = 200_000_000
 """BPE trains on at most this much of the training text (~10% of TinyStories): plenty for a 10k vocabulary."""
@@ -81,6 +84,10 @@ class LMDataModule(L.LightningDataModule):
             raise ValueError(
                 f"--data.num_workers must be >= 0 and --data.num_proc > 0 or unset, got {num_workers} and {num_proc}"
             )
+        if tokenizer is not None and not Path(tokenizer).is_file():
+            raise FileNotFoundError(
+                f"--data.tokenizer {tokenizer!r} is not a file (pass a tokenizer.json, or leave it unset to train one)"
+            )
         self.corpus = corpus
         self.tokenizer_path = tokenizer
         self.target_vocab_size = vocab_size
@@ -127,19 +134,21 @@ class LMDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         counts = self._prepare().tokens.meta["tokens"]
         _, world_size = self._rank_and_world_size()
+        # train.py links --data.context_length to the model's: the flag to lower there is --model.context_length.
         if counts["train"] < self.context_length + 1:
-            raise ValueError(
+            raise InputError(
                 f"the train split of --data.corpus {self.corpus!r} has {counts['train']} tokens, fewer than one "
-                f"window of --data.context_length {self.context_length} + 1: lower it or use a larger corpus"
+                f"window of --data.context_length {self.context_length} + 1: lower --model.context_length (which "
+                "sets it) or use a larger corpus"
             )
         if counts["validation"] < world_size * self.context_length + 1:
-            raise ValueError(
+            raise InputError(
                 f"the validation split of --data.corpus {self.corpus!r} has {counts['validation']} tokens, too few "
                 f"for one window of --data.context_length {self.context_length} + 1 on each of {world_size} ranks: "
-                "lower --data.context_length, raise --data.val_fraction or use a larger corpus"
+                "lower --model.context_length (which sets it), raise --data.val_fraction or use a larger corpus"
             )
         if self.val_batches * self.batch_size < world_size:
-            raise ValueError(
+            raise InputError(
                 f"--data.val_batches {self.val_batches} × --data.batch_size {self.batch_size} validation windows "
                 f"cannot give each of {world_size} ranks one: raise --data.val_batches"
             )
@@ -228,7 +237,10 @@ class LMDataModule(L.LightningDataModule):
             return load_tokenizer(self.tokenizer_path)
         path = self.cache_dir / "tokenizers" / self._tokenizer_key() / "tokenizer.json"
         if path.is_file():
-            return load_tokenizer(path)
+            problem = sidecar_damage(path)
+            if problem is None:
+                return load_tokenizer(path)
+            warnings.warn(f"the cached tokenizer is damaged: {problem}; training it again", stacklevel=2)
         train_split = corpus.get()["train"]
         rank_zero_info(f"training a byte-level BPE (target {self.target_vocab_size} tokens) on {self.corpus!r}")
         texts = iter_texts(train_split, TOKENIZER_TRAINING_CHARS)

@@ -10,11 +10,12 @@ sentence templates repeat across stories: structure a tiny model can learn in a 
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from lm_systems.data.cache_files import atomic_write_path
+from lm_systems.data.checksums import checked_writer, sidecar_damage
 from lm_systems.data.tokenizer import END_OF_TEXT
 
 GENERATOR_VERSION = 1
@@ -219,9 +220,20 @@ def generate_stories(num_stories: int, seed: int) -> Iterator[str]:
 
 
 def write_generated_corpus(path: str | Path, num_stories: int, seed: int) -> Path:
-    """Write the stories to ``path``, each story on one line and followed by ``<|endoftext|>``."""
+    """Write the stories to ``path``, each story on one line and followed by ``<|endoftext|>`` (with a checksum)."""
     path = Path(path)
-    with atomic_write_path(path) as tmp, open(tmp, "w", encoding="utf-8") as file:
+    with checked_writer(path) as file:
         for story in generate_stories(num_stories, seed):
-            file.write(f"{story}\n{END_OF_TEXT}")
+            file.write(f"{story}\n{END_OF_TEXT}".encode())
     return path
+
+
+def ensure_generated_corpus(path: str | Path, num_stories: int, seed: int) -> Path:
+    """The corpus at ``path``: written if missing, and again (with a warning naming it) if it is not what was written."""
+    path = Path(path)
+    if path.is_file():
+        problem = sidecar_damage(path)
+        if problem is None:
+            return path
+        warnings.warn(f"the generated corpus is damaged: {problem}; rebuilding it", stacklevel=2)
+    return write_generated_corpus(path, num_stories, seed)

@@ -2,9 +2,10 @@
 
 The entry's folder is named by a hash of (corpus identity, tokenizer fingerprint, text column,
 validation fraction), so a different corpus or tokenizer gets a new entry and an unchanged one is
-reused. ``meta.json`` is written last and atomically: an entry without it (a crash mid-way) is
-rebuilt, never trusted. It records each file's size and a checksum of sampled blocks; an entry whose
-files disagree (truncated, overwritten) is reported by path and rebuilt.
+reused. ``meta.json`` is written last and atomically, with its own checksum: an entry without it (a crash
+mid-way) is rebuilt, never trusted. It records each file's size and a CRC-32 of every block, computed while
+the file was written (:mod:`lm_systems.data.checksums`); an entry whose meta.json or files disagree
+(truncated, overwritten, edited) is reported by path and rebuilt.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import shutil
 import time
 import uuid
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -23,20 +23,17 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from lm_systems.data.cache_files import atomic_write_path, fingerprint, write_json_atomic
+from lm_systems.data.cache_files import atomic_write_path, fingerprint
+from lm_systems.data.checksums import BlockChecksum, damage, sidecar, sidecar_damage, write_checked_json
 from lm_systems.data.corpus import CorpusSource
 from lm_systems.data.tokenizer import END_OF_TEXT, tokenizer_fingerprint
+from lm_systems.errors import InputError
 
 if TYPE_CHECKING:  # `datasets` is imported where a cache is built: `train.py --help` does without it
     from datasets import Dataset, DatasetDict
 
 META_FILE = "meta.json"
 SPLITS = ("train", "validation")
-CHECKSUM_BLOCKS = 64
-CHECKSUM_BLOCK_BYTES = 64 * 1024
-"""The checksum reads 64 blocks of 64 KiB spread over the file (the whole file up to 4 MiB): cheap at every start."""
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type that holds every id: uint16 up to 65,536 tokens, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
@@ -70,37 +67,15 @@ def token_cache_entry(
     return Path(cache_dir) / "tokens" / key
 
 
-def sampled_checksum(path: Path) -> str:
-    """CRC-32 of ``CHECKSUM_BLOCKS`` blocks spread evenly over the file (the whole file when it is small)."""
-    size = path.stat().st_size
-    span = CHECKSUM_BLOCKS * CHECKSUM_BLOCK_BYTES
-    offsets = [0] if size <= span else [i * (size - CHECKSUM_BLOCK_BYTES) // (CHECKSUM_BLOCKS - 1) for i in range(CHECKSUM_BLOCKS)]
-    crc = 0
-    with open(path, "rb") as file:
-        for offset in offsets:
-            file.seek(offset)
-            crc = zlib.crc32(file.read(span if size <= span else CHECKSUM_BLOCK_BYTES), crc)
-    return f"{crc:08x}"
-
-
-def _file_record(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "crc32_sampled": sampled_checksum(path)}
-
-
 def token_cache_damage(splits: TokenSplits) -> str | None:
     """What is wrong with a completed entry's files, or None when they match what meta.json recorded."""
     recorded = splits.meta.get("files")
-    if recorded is None:
-        return "its meta.json records no file sizes (written by an older version)"
+    if not isinstance(recorded, dict):
+        return "its meta.json records no checksums (written by an older version)"
     for name in SPLITS:
-        path = splits.path(name)
-        if not path.is_file():
-            return f"{path} is missing"
-        expected, size = recorded[name], path.stat().st_size
-        if size != expected["bytes"]:
-            return f"{path} has {size} bytes, {expected['bytes']} were written"
-        if sampled_checksum(path) != expected["crc32_sampled"]:
-            return f"{path} has changed since it was written (checksum mismatch)"
+        problem = damage(splits.path(name), recorded.get(name))
+        if problem is not None:
+            return problem
     return None
 
 
@@ -112,10 +87,12 @@ def open_token_cache(directory: Path) -> TokenSplits | None:
     meta_path = directory / META_FILE
     if not meta_path.is_file():
         return None
-    splits = TokenSplits(directory, json.loads(meta_path.read_text()))
-    damage = token_cache_damage(splits)
-    if damage is not None:
-        warnings.warn(f"token cache entry {str(directory)!r} is damaged: {damage}; rebuilding it", stacklevel=2)
+    problem = sidecar_damage(meta_path)
+    if problem is None:
+        splits = TokenSplits(directory, json.loads(meta_path.read_text()))
+        problem = token_cache_damage(splits)
+    if problem is not None:
+        warnings.warn(f"token cache entry {str(directory)!r} is damaged: {problem}; rebuilding it", stacklevel=2)
         return None
     return splits
 
@@ -138,6 +115,7 @@ def build_token_cache(
 
     start = time.perf_counter()
     (directory / META_FILE).unlink(missing_ok=True)  # a damaged entry stays untrusted until rebuilt whole
+    sidecar(directory / META_FILE).unlink(missing_ok=True)
     eot_id = tokenizer.token_to_id(END_OF_TEXT)
     dtype = token_dtype(tokenizer.get_vocab_size())
     work = directory / f"work-{uuid.uuid4().hex[:8]}"  # datasets' map output; removed once the .npy files exist
@@ -148,19 +126,20 @@ def build_token_cache(
         }
         counts = {name: pc.sum(split.data.column("num_tokens")).as_py() or 0 for name, split in encoded.items()}
         if not any(counts.values()):
-            raise ValueError(f"--data.corpus {source.spec!r} has no text: tokenising it gave no tokens")
+            raise InputError(f"--data.corpus {source.spec!r} has no text: tokenising it gave no tokens")
         # With a document per row, every row adds an <|endoftext|> id after its own tokens.
         lengths = {name: counts[name] + (0 if source.is_stream else encoded[name].num_rows) for name in encoded}
         if "validation" in encoded:
             sizes = dict(lengths)
+            records = {}
             for name in SPLITS:
-                _write_splits(_token_chunks(encoded[name]), {name: sizes[name]}, directory, dtype)
+                records |= _write_splits(_token_chunks(encoded[name]), {name: sizes[name]}, directory, dtype)
             held_out = "the corpus' own validation split"
         else:
             total = lengths["train"]
             validation = max(1, math.ceil(total * val_fraction))
             sizes = {"train": total - validation, "validation": validation}
-            _write_splits(_token_chunks(encoded["train"]), sizes, directory, dtype)
+            records = _write_splits(_token_chunks(encoded["train"]), sizes, directory, dtype)
             held_out = f"the last {val_fraction:.1%} of the token stream"
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -173,11 +152,11 @@ def build_token_cache(
         "dtype": dtype.name,
         "tokens": sizes,
         "rows": {name: split.num_rows for name, split in encoded.items()},
-        "files": {name: _file_record(directory / f"{name}.npy") for name in SPLITS},
+        "files": records,
         "validation": held_out,
         "seconds": round(time.perf_counter() - start, 2),
     }
-    write_json_atomic(directory / META_FILE, meta)
+    write_checked_json(directory / META_FILE, meta)
     return TokenSplits(directory, meta)
 
 
@@ -218,20 +197,30 @@ def _token_chunks(encoded: Dataset, batch_size: int = 10_000) -> Iterator[np.nda
         yield table.column("ids").combine_chunks().flatten().to_numpy()
 
 
-def _write_splits(chunks: Iterator[np.ndarray], sizes: dict[str, int], directory: Path, dtype: np.dtype) -> None:
-    """Fill one ``<split>.npy`` per entry of ``sizes``, in order, with consecutive tokens from ``chunks``."""
-    pending = np.empty(0, dtype)
+def _write_splits(
+    chunks: Iterator[np.ndarray], sizes: dict[str, int], directory: Path, dtype: np.dtype
+) -> dict[str, dict[str, Any]]:
+    """Fill one ``<split>.npy`` per entry of ``sizes``, in order, with consecutive tokens from ``chunks``; the
+    checksum record of each file, computed from the bytes as they are written."""
+    pending, records = np.empty(0, dtype), {}
     for name, size in sizes.items():
         if size <= 0:
-            raise ValueError(f"split {name!r} would hold no tokens: change --data.val_fraction")
+            raise InputError(f"split {name!r} would hold no tokens: change --data.val_fraction")
+        checksum = BlockChecksum()
         with atomic_write_path(directory / f"{name}.npy") as tmp:
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(size,))
+            with open(tmp, "rb") as file:
+                checksum.update(file.read(out.offset))  # the .npy header open_memmap wrote
             filled = 0
             while filled < size:
                 if pending.size == 0:
                     pending = next(chunks)
                 take = min(size - filled, pending.size)
-                out[filled : filled + take] = pending[:take]
+                piece = np.ascontiguousarray(pending[:take], dtype=dtype)
+                out[filled : filled + take] = piece
+                checksum.update(piece)
                 pending, filled = pending[take:], filled + take
             out.flush()
             del out  # close the memmap before the rename
+        records[name] = checksum.record()
+    return records

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from lm_systems.data.cache_files import atomic_write_path
+from lm_systems.data.checksums import checked_writer
+from lm_systems.errors import InputError
 
 END_OF_TEXT = "<|endoftext|>"
 """Separates documents in the token stream; the tokenizer keeps it as one special token."""
@@ -22,7 +23,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """
     minimum = len(pre_tokenizers.ByteLevel.alphabet()) + 1
     if vocab_size < minimum:
-        raise ValueError(f"--data.vocab_size must be at least {minimum} (256 bytes + {END_OF_TEXT}), got {vocab_size}")
+        raise InputError(f"--data.vocab_size must be at least {minimum} (256 bytes + {END_OF_TEXT}), got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     # No normaliser and no prefix space: the text is kept byte for byte, so decode(encode(s)) == s.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -41,9 +42,10 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
+    """Write ``tokenizer`` as ``path`` (a tokenizer.json), with a checksum (``checksums.sidecar_damage`` checks it)."""
     path = Path(path)
-    with atomic_write_path(path) as tmp:
-        tokenizer.save(str(tmp))
+    with checked_writer(path) as file:
+        file.write(tokenizer.to_str(pretty=True).encode())
     return path
 
 
@@ -57,12 +59,26 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as error:  # the Rust side raises a bare Exception on a malformed file
-        raise ValueError(f"--data.tokenizer {str(path)!r} is not a readable tokenizer.json: {error}") from error
+        raise InputError(f"--data.tokenizer {str(path)!r} is not a readable tokenizer.json: {error}") from error
     if tokenizer.token_to_id(END_OF_TEXT) is None:
-        raise ValueError(f"--data.tokenizer {str(path)!r} has no {END_OF_TEXT} token to separate documents with")
+        raise InputError(f"--data.tokenizer {str(path)!r} has no {END_OF_TEXT} token to separate documents with")
     return tokenizer
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """Hash of the tokenizer's full serialisation: any change to vocab, merges or settings changes it."""
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+
+
+def tokenizer_mismatch(saved: Optional[str], current: Optional[str]) -> Optional[str]:
+    """Why text tokenized by ``current`` (serialised) cannot continue a model trained with ``saved``, or None."""
+    if saved is None or current is None or saved == current:
+        return None
+
+    def describe(text: str) -> str:
+        tokenizer = Tokenizer.from_str(text)
+        return f"{tokenizer.get_vocab_size()} tokens, fingerprint {tokenizer_fingerprint(tokenizer)}"
+
+    return (f"the data's tokenizer ({describe(current)}) is not the checkpoint's ({describe(saved)}): the model's ids "
+            "would mean other text; resume with the --data.corpus, --data.vocab_size and --data.tokenizer it was "
+            "trained with")

@@ -1,6 +1,9 @@
-"""A damaged token cache is named and rebuilt; ids outside the vocabulary and undecodable corpora are named errors."""
+"""Every cache file is checked whole before use: a damaged generated corpus, tokenizer, meta.json or token file is
+named and rebuilt; ids outside the vocabulary and undecodable corpora are named errors."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -8,6 +11,8 @@ import pytest
 from lm_systems.data import datamodule as datamodule_module
 from lm_systems.data.corpus import load_corpus, resolve_corpus
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.data.token_cache import open_token_cache
+from lm_systems.data.tokenizer import END_OF_TEXT, save_tokenizer
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows
 
 
@@ -47,6 +52,55 @@ def test_a_damaged_cache_file_is_named_and_rebuilt(txt_corpus, tmp_path, build_c
     np.testing.assert_array_equal(again.token_splits.tokens(split), expected)
     prepare(txt_corpus, tmp_path / "cache")  # the rebuilt entry is trusted again
     assert len(build_calls) == 2
+
+
+@pytest.mark.slow
+def test_ids_written_anywhere_in_a_large_token_file_are_found(tmp_path, documents, small_tokenizer):
+    """A 5 MB train.npy, two bytes changed 100 bytes past its first 64 KiB: between the blocks a sampled
+    checksum read (64 of 64 KiB), so the file was trusted."""
+    corpus = tmp_path / "big.txt"
+    corpus.write_text("".join(f"{doc}\n{END_OF_TEXT}" for doc in documents) * 240, encoding="utf-8")
+    tokenizer = save_tokenizer(small_tokenizer, tmp_path / "tokenizer.json")
+    first = LMDataModule(corpus=str(corpus), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "cache"))
+    train = first.token_splits.path("train")
+    assert train.stat().st_size > 5e6
+    with open(train, "r+b") as file:
+        file.seek(64 * 1024 + 100)
+        file.write(b"\xff\xff")
+    with pytest.warns(UserWarning, match=f"{train}' differs from what was written in bytes 0–.*rebuilding it"):
+        assert open_token_cache(train.parent) is None
+
+
+@pytest.mark.parametrize("damage", [truncate, lambda path: path.write_text('{"tokens": {"train": 5')],
+                         ids=["truncated", "edited"])
+def test_a_damaged_meta_json_is_named_and_rebuilt(txt_corpus, tmp_path, build_calls, damage):
+    meta = prepare(txt_corpus, tmp_path / "cache").token_splits.directory / "meta.json"
+    damage(meta)
+    with pytest.warns(UserWarning, match=f"{meta}.*rebuilding it"):
+        again = prepare(txt_corpus, tmp_path / "cache")
+    assert len(build_calls) == 2 and json.loads(meta.read_text())["tokens"] == again.token_splits.meta["tokens"]
+
+
+def test_a_truncated_generated_corpus_is_named_and_rebuilt(tmp_path):
+    """The issue's run: the corpus truncated and the tokens deleted gave 22,745 training tokens, silently."""
+    settings = dict(corpus="generated", generated_stories=300, vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    whole = LMDataModule(**settings).token_splits.meta["tokens"]
+    (corpus,) = (tmp_path / "cache" / "corpora").glob("*.txt")
+    truncate(corpus)
+    for entry in (tmp_path / "cache" / "tokens").iterdir():
+        for path in entry.iterdir():
+            path.unlink()
+    with pytest.warns(UserWarning, match=f"generated corpus is damaged: '{corpus}' has .* bytes.*rebuilding it"):
+        assert LMDataModule(**settings).token_splits.meta["tokens"] == whole
+
+
+def test_a_damaged_cached_tokenizer_is_named_and_trained_again(tmp_path):
+    settings = dict(corpus="generated", generated_stories=300, vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    expected = LMDataModule(**settings).tokenizer.to_str()
+    (cached,) = (tmp_path / "cache" / "tokenizers").rglob("tokenizer.json")
+    cached.write_text(cached.read_text()[:-200])
+    with pytest.warns(UserWarning, match=f"cached tokenizer is damaged: '{cached}'.*training it again"):
+        assert LMDataModule(**settings).tokenizer.to_str() == expected
 
 
 def test_ids_outside_the_vocabulary_name_the_file(tmp_path):

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from lm_systems.data.checksums import sidecar
 from lm_systems.data.generated_corpus import generate_stories, with_article, write_generated_corpus
 from lm_systems.data.tokenizer import END_OF_TEXT
 
@@ -59,7 +60,7 @@ def test_file_holds_one_story_per_line_separated_by_end_of_text(tmp_path):
     pieces = text.split(END_OF_TEXT)
     assert pieces[-1] == "" and len(pieces) == 26
     assert [p.rstrip("\n") for p in pieces[:-1]] == list(generate_stories(25, 2))
-    assert list(tmp_path.iterdir()) == [path]
+    assert sorted(tmp_path.iterdir()) == [path, sidecar(path)]  # no temporary file left, and its checksum
 
 
 def test_no_stories_is_an_error():

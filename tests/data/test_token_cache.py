@@ -82,7 +82,7 @@ def test_crash_before_meta_leaves_nothing_trusted(txt_corpus, tmp_path, monkeypa
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(token_cache, "write_json_atomic", crash)
+    monkeypatch.setattr(token_cache, "write_checked_json", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare(txt_corpus, tmp_path / "cache")
     entries = list((tmp_path / "cache" / "tokens").iterdir())
@@ -96,7 +96,7 @@ def test_generated_corpus_is_cached_by_its_parameters(tmp_path, build_calls):
     prepare("generated", tmp_path / "cache", generated_stories=40, seed=1)
     b = prepare("generated", tmp_path / "cache", generated_stories=40, seed=2)
     assert build_calls == {"tokenizer": 2, "tokens": 2}
-    assert len(list((tmp_path / "cache" / "corpora").iterdir())) == 2
+    assert len(list((tmp_path / "cache" / "corpora").glob("*.txt"))) == 2
     assert a.token_splits.tokens("train").tolist() != b.token_splits.tokens("train").tolist()
 
 

@@ -1,0 +1,111 @@
+"""Resuming with what was typed: the checkpoint's settings under the command line, never over it.
+
+LightningCLI parses a checkpoint's model hyperparameters over the command line, so a resumed run silently
+dropped every ``--model.*`` flag. Here the layers are, later winning: the parser's defaults, the checkpoint's
+model hyperparameters, then config files and flags. Model settings left untyped continue as the checkpoint had
+them; typed ones take effect: the learning rate and schedule, the non-finite policy, the closing sample; and,
+as ever, the trainer's and the data's (clipping, max_steps, logging, the batch size: the data position is a
+count of batches whose windows are drawn at random, so any batch size continues it). What fixes the model's
+shape (``SHAPE_KEYS``) must match: a typed value that changes it is refused, naming both. The tokenizer is
+compared once the data is ready (``LitLM.on_load_checkpoint``). The log lists every setting that changed since
+the checkpoint was written (``RunConfigRecord`` stores the run's settings in each checkpoint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from jsonargparse import Namespace
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lm_systems.config import ModelConfig
+
+SHAPE_KEYS = ("size", "vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta")
+"""LitLM arguments that fix the model's shape: a resumed run keeps the checkpoint's."""
+RUN_CONFIG_KEY = "run_config"
+"""Checkpoint entry holding the run's flat settings (model ones aside: ``hyper_parameters`` has those, resolved)."""
+_NOT_SETTINGS = ("ckpt_path", "config", "resume_into_run", "debug", "trainer.logger.")
+"""Keys that name this invocation, not what it trains, left out of the comparison."""
+
+
+class SavedSettings:
+    """The settings a checkpoint was written with: its model hyperparameters and the run's other settings."""
+
+    def __init__(self, ckpt_path: str | Path) -> None:
+        self.path = str(ckpt_path)
+        checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+        self.hparams = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+        self.settings = {**(checkpoint.get(RUN_CONFIG_KEY) or {}), **{f"model.{k}": v for k, v in self.hparams.items()}}
+
+    def under(self, parser: Any, args: Any, config: Namespace) -> Namespace:
+        """``config`` parsed again from ``args`` over the checkpoint's model hyperparameters (see the module doc).
+
+        Raises ValueError naming the flag and both values when a typed setting would change the model's shape.
+        """
+        if not self.hparams:
+            return config
+        subcommand = config.get("subcommand")
+        prefix = f"{subcommand}." if subcommand else ""
+        layer = Namespace()
+        for key, value in self.hparams.items():
+            if f"{prefix}model.{key}" in config:  # a key an older LitLM had and this one lacks is dropped
+                layer[f"{prefix}model.{key}"] = value
+        resumed = parser.parse_args(args, namespace=layer)
+        self._refuse_shape_changes((resumed[subcommand] if subcommand else resumed).model)
+        return resumed
+
+    def log_changes(self, run: Namespace) -> None:
+        """Log each setting of ``run`` (one subcommand's config) that differs from the checkpoint's."""
+        changes = changed_settings(self.settings, flat_settings(run))
+        if changes:
+            rank_zero_info(f"resuming from {self.path!r} with settings changed since it was saved: {', '.join(changes)}")
+
+    def _refuse_shape_changes(self, typed: Namespace) -> None:
+        def shape(values: dict[str, Any]) -> ModelConfig:
+            return ModelConfig.from_name(values["size"], **{k: values.get(k) for k in SHAPE_KEYS if k != "size"})
+
+        saved = self.hparams
+        differing = [key for key in SHAPE_KEYS if key in saved and typed.get(key) != saved[key]]
+        if differing and shape(dict(typed.items())) != shape(saved):
+            key = differing[0]
+            raise ValueError(
+                f"--model.{key} {typed.get(key)!r} does not match the checkpoint's {saved[key]!r} ({self.path!r}): "
+                f"a resumed run keeps the model's shape ({', '.join(SHAPE_KEYS)}); drop --model.{key}, or train a "
+                "new model without --ckpt_path"
+            )
+
+
+def flat_settings(config: Namespace) -> dict[str, Any]:
+    """The run's settings as ``{"trainer.max_steps": 300, ...}``: plain values only (no callbacks or objects), and
+    a short flag's value under the trainer's key only (``--max_steps`` is ``--trainer.max_steps``)."""
+    def plain(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return all(plain(v) for v in value)
+        return value is None or isinstance(value, (str, int, float, bool))
+
+    return {key: value for key, value in config.items()
+            if plain(value) and not key.startswith(_NOT_SETTINGS) and f"trainer.{key}" not in config}
+
+
+def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``["model.lr 30.0 → 0.001", ...]`` for each setting in both whose value differs."""
+    def same(a: Any, b: Any) -> bool:
+        return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+    return [f"{key} {before[key]!r} → {now[key]!r}" for key in now if key in before and not same(before[key], now[key])]
+
+
+class RunConfigRecord(L.Callback):
+    """Stores the run's settings in each checkpoint, for a resumed run to say what it changed."""
+
+    def __init__(self, config: Namespace) -> None:
+        self._settings = {k: v for k, v in flat_settings(config).items() if not k.startswith("model.")}
+
+    @override
+    def on_save_checkpoint(self, trainer: "L.Trainer", pl_module: "L.LightningModule", checkpoint: dict[str, Any]) -> None:
+        checkpoint[RUN_CONFIG_KEY] = self._settings
+

@@ -1,0 +1,138 @@
+"""Every bad input ends train.py in one line naming the flag, the value and what to change, with no traceback
+unless --debug asks for one; a file that cannot be written is named with the free space."""
+
+from __future__ import annotations
+
+import errno
+import resource
+import signal
+from pathlib import Path
+
+import pytest
+
+from lm_systems.cli import main
+from lm_systems.data.datamodule import LMDataModule
+from lm_systems.errors import DEBUG_ENV, InputError, os_error_in, write_error_message
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
+FAST = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",
+        "--model.context_length", "16", "--model.sample_prompt", "", "--data.generated_stories", "300",
+        "--data.vocab_size", "280", "--data.batch_size", "2", "--data.val_batches", "1",
+        "--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false",
+        "--trainer.enable_progress_bar", "false", "--max_steps", "1"]
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(DEBUG_ENV, "")  # restored after a test that sets it (--debug)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """The generated corpus, tokenizer and tokens of FAST, built once."""
+    path = tmp_path_factory.mktemp("data_cache")
+    LMDataModule(generated_stories=300, vocab_size=280, cache_dir=str(path)).prepare_data()
+    return path
+
+
+def one_line_error(args: list[str], capsys, status: int = 2) -> str:
+    """The error line of ``main(args)``, which must exit with ``status`` and print no traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0] == err.strip().splitlines()[-1], err
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--devices", "-3"], "error: --devices (--trainer.devices) -3 is not a count > 0, -1 (all)"),
+        (["--model.size", "huge"], "error: unknown model size 'huge' (set --model.size to one of: tiny, small"),
+        (["--model.context_length", "0"], "error: --model.context_length must be positive, got 0"),
+        (["--trainer.strategy", "strategies.BucketedDDPStrategy", "--trainer.strategy.bucket_size_mb", "-1"],
+         "error: bucket_size_mb must be positive, got -1.0 (strategy init_args.bucket_size_mb)"),
+        (["--strategy", "bucketed_ddp", "--trainer.strategy.bucket_size_mb", "-1"],
+         "error: bucket_size_mb must be positive, got -1.0 (strategy init_args.bucket_size_mb)"),
+    ],
+    ids=["devices", "size", "context", "bucket-class", "bucket-name"],
+)
+def test_bad_values_are_one_line(args, says, capsys):
+    assert one_line_error([*FAST, *args], capsys).startswith(says)
+
+
+def test_a_strategy_name_takes_init_arguments(monkeypatch):
+    def fit(self, model, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
+        """Build everything, train nothing."""
+
+    monkeypatch.setattr("lightning.pytorch.Trainer.fit", fit)
+    cli = main([*FAST, "--strategy", "bucketed_ddp_spawn", "--trainer.strategy.bucket_size_mb", "5",
+                "--accelerator", "cpu", "--devices", "1"])
+    strategy = cli.trainer.strategy
+    assert type(strategy).__name__ == "BucketedDDPStrategy" and strategy._bucket_size_mb == 5
+    assert strategy._start_method == "spawn"  # what the name was registered with
+
+
+@pytest.mark.parametrize("text, says", [("model:\n  lr: [1\n", "is not valid YAML at line 3, column 1: expected ','"),
+                                        ("- a\n- b\n", "holds a YAML list, not a mapping")])
+def test_a_bad_config_file_is_named(tmp_path, capsys, text, says):
+    (tmp_path / "mine.yaml").write_text(text)
+    line = one_line_error([*FAST, "-c", "mine.yaml"], capsys)
+    assert line.startswith(f"error: -c 'mine.yaml' {says}"), line
+
+
+@pytest.mark.parametrize("content", [b"one short line\n", b"caf\xe9 au lait\n", bytes(range(256)) * 4],
+                         ids=["shorter-than-context", "latin-1", "binary"])
+def test_a_bad_corpus_is_one_line(tmp_path, capsys, cache_dir, content):
+    (tmp_path / "corpus.txt").write_bytes(content)
+    line = one_line_error([*FAST, "--data.corpus", "corpus.txt", "--data.cache_dir", str(cache_dir)], capsys)
+    assert "--data.corpus 'corpus.txt'" in line
+    assert ("lower --model.context_length" in line) if content.startswith(b"one") else ("is not UTF-8 text" in line)
+
+
+def test_debug_keeps_the_traceback(tmp_path, cache_dir):
+    (tmp_path / "corpus.txt").write_bytes(b"caf\xe9 au lait\n")
+    with pytest.raises(InputError, match="not UTF-8 text"):
+        main([*FAST, "--data.corpus", "corpus.txt", "--data.cache_dir", str(cache_dir), "--debug", "true"])
+
+
+def test_an_unwritable_log_folder_is_named(tmp_path, capsys, cache_dir):
+    (tmp_path / "a_file").write_text("")  # a folder cannot be made inside it, whoever runs the test
+    line = one_line_error([*FAST, "--data.cache_dir", str(cache_dir), "--trainer.default_root_dir", "a_file/runs"],
+                          capsys, status=1)
+    assert line.startswith("error: cannot write 'a_file/runs") and "free on its filesystem" in line, line
+    assert "--trainer.default_root_dir" in line
+
+
+@pytest.fixture
+def files_limited_to_100kb():
+    """Writes past 100 kB fail (EFBIG), as on a full disk, and the process is not killed for them (SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_named_with_the_free_space(capsys, cache_dir, files_limited_to_100kb):
+    """torch.save fails with 'enforce fail at inline_container.cc' while handling the OSError that says why."""
+    line = one_line_error([*FAST, "--data.cache_dir", str(cache_dir)], capsys, status=1)
+    assert line.startswith("error: cannot write '") and "step=1.ckpt': File too large (" in line, line
+    assert "free on its filesystem); free some space or write elsewhere: --trainer.default_root_dir" in line
+
+
+def test_the_os_error_behind_a_runtime_error_is_found(tmp_path):
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1866048 vs 1865936")
+    except RuntimeError as error:
+        assert os_error_in(error).errno == errno.ENOSPC
+    message = write_error_message(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.ckpt")))
+    assert f"cannot write '{tmp_path / 'x.ckpt'}': No space left on device (" in message and "B free" in message

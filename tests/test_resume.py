@@ -1,0 +1,103 @@
+"""Resuming honours the command line: typed settings take effect (the optimizer's too) and the log names them;
+untyped model settings continue the checkpoint's; a shape or tokenizer that differs is refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+import yaml
+
+from lm_systems.cli import main
+from lm_systems.lit_module import LitLM
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
+FAST = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",
+        "--model.context_length", "16", "--model.sample_prompt", "", "--data.generated_stories", "300",
+        "--data.vocab_size", "280", "--data.batch_size", "2", "--data.val_batches", "1",
+        "--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false",
+        "--trainer.enable_progress_bar", "false"]
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A run at lr 0.5, one warm-up step, no clipping and the skip policy; its step=2.ckpt and the flags to reuse."""
+    root = tmp_path_factory.mktemp("first_run")
+    common = [*FAST, "--data.cache_dir", str(root / "data_cache")]
+    main([*common, "--trainer.logger.init_args.save_dir", str(root), "--max_steps", "2", "--model.lr", "0.5", "--model.warmup_steps", "1",
+          "--trainer.gradient_clip_val", "0", "--model.on_nonfinite", "skip"])
+    (checkpoint,) = root.rglob("step=2.ckpt")
+    return checkpoint, common
+
+
+def test_typed_settings_take_effect_and_untyped_model_settings_continue(first_run, tmp_path, caplog):
+    checkpoint, common = first_run
+    resumed = main([*common, "--max_steps", "4", "--model.lr", "1e-3",
+                    "--ckpt_path", str(checkpoint)])
+    hparams = resumed.model.hparams
+    assert hparams.lr == 1e-3 and hparams.warmup_steps == 1 and hparams.on_nonfinite == "skip"
+    assert resumed.trainer.gradient_clip_val == 1.0 and resumed.trainer.global_step == 4
+    # The restored optimizer and schedule train at the typed rate, at the schedule's step.
+    optimizer = resumed.trainer.optimizers[0]
+    scheduler = resumed.trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.base_lrs == [1e-3, 1e-3]
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        assert group["initial_lr"] == 1e-3
+        assert group["lr"] == pytest.approx(1e-3 * factor(scheduler.last_epoch))
+    assert yaml.safe_load((Path(resumed.trainer.logger.log_dir) / "config.yaml").read_text())["model"]["lr"] == 1e-3
+    said = caplog.text
+    assert "settings changed since it was saved:" in said
+    for change in ("model.lr 0.5 → 0.001", "trainer.gradient_clip_val 0 → 1.0", "trainer.max_steps 2 → 4"):
+        assert change in said, said
+
+
+def usage_error(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_a_typed_shape_change_is_refused_naming_both_values(first_run, capsys):
+    checkpoint, common = first_run
+    line = usage_error([*common, "--model.d_model", "64", "--ckpt_path", str(checkpoint)], capsys)
+    assert line.startswith("error: --model.d_model 64 does not match the checkpoint's 32"), line
+
+
+def test_a_different_tokenizer_is_refused_naming_both(first_run, capsys):
+    checkpoint, common = first_run
+    line = usage_error([*common, "--data.vocab_size", "275", "--ckpt_path", str(checkpoint)], capsys)
+    assert "the data's tokenizer (275 tokens" in line and "is not the checkpoint's (280 tokens" in line, line
+
+
+@pytest.fixture
+def small_checkpoint(tmp_path) -> Path:
+    """What resuming reads first: a `small` model's hyperparameters (no 114M weights needed to refuse or keep it)."""
+    path = tmp_path / "small.ckpt"
+    hparams = {**LitLM(size="small").hparams, "vocab_size": 1004}
+    torch.save({"hyper_parameters": hparams, "state_dict": {}}, path)
+    return path
+
+
+def test_a_small_checkpoint_resumed_as_tiny_is_refused(small_checkpoint, capsys):
+    line = usage_error(["--model.size", "tiny", "--max_steps", "1", "--ckpt_path", str(small_checkpoint)], capsys)
+    assert line.startswith("error: --model.size 'tiny' does not match the checkpoint's 'small'"), line
+
+
+def test_untyped_shape_settings_are_the_checkpoints(small_checkpoint, monkeypatch):
+    def fit(self, model, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
+        """Build everything, train nothing (LightningCLI takes --ckpt_path from this signature)."""
+
+    monkeypatch.setattr(L.Trainer, "fit", fit)
+    cli = main(["--ckpt_path", str(small_checkpoint)])
+    assert cli.model.hparams.size == "small" and cli.model.hparams.vocab_size == 1004
+    assert cli.datamodule.context_length == 256  # the data windows follow the resumed model
