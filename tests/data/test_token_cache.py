@@ -112,6 +112,7 @@ def _prepare_and_report(corpus, cache_dir, builds_log, queue) -> None:
     queue.put((module.vocab_size, module.token_splits.tokens("train").tolist()))
 
 
+@pytest.mark.slow
 def test_concurrent_processes_build_the_cache_once(txt_corpus, tmp_path):
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
