@@ -104,7 +104,9 @@ def greedy_text():
 
 def _assert_equal_nested(actual, expected, where: str) -> None:
     if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and torch.equal(actual, expected), where
+        same = isinstance(actual, torch.Tensor) and torch.equal(actual, expected)
+        assert same, f"{where} differs" + (f" by up to {(actual - expected).abs().max().item():.3g}"
+                                           if same is False and actual.shape == expected.shape else "")
     elif isinstance(expected, dict):
         assert actual.keys() == expected.keys(), where
         for key in expected:

@@ -55,6 +55,6 @@ def test_two_nodes_train_to_equal_replicas_and_one_checkpoint(strategy, environm
     for name, weight in reference.items():
         assert not torch.equal(weight, records[0]["initial"][name]), f"{name} never moved"
         # float32: the two nodes' mean gradients averaged vs one mean over both batches (tests/test_train_py_two_processes.py)
-        torch.testing.assert_close(saved[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(saved[name], weight, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         for record in records:
             assert torch.equal(record["final"][name], saved[name]), name

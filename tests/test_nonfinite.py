@@ -135,7 +135,7 @@ def test_skipped_steps_are_the_run_without_their_batches(cache_dir, fused, reque
     assert {int(state["step"]) for state in optimizer.state.values()} == {4}
     expected = dropping_the_poisoned_batches(module, fused)
     for name, weight in module.model.state_dict().items():
-        torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
@@ -186,7 +186,7 @@ def test_under_a_grad_scaler_the_norm_and_clipping_see_unscaled_gradients(cache_
     assert min(unscaled.grad_norms) > CLIP, "every step clips"
     assert scaled.grad_norms == pytest.approx(unscaled.grad_norms, rel=1e-6)
     for (name, weight), other in zip(scaled.model.state_dict().items(), unscaled.model.state_dict().values()):
-        torch.testing.assert_close(weight, other, rtol=1e-6, atol=1e-8, msg=name)
+        torch.testing.assert_close(weight, other, rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow

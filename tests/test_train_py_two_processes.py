@@ -62,7 +62,7 @@ def test_two_processes_train_like_one_process_on_their_batches(uninterrupted):
         assert not torch.equal(value, records[0]["initial"][name]), f"{name} never moved"
         # float32 throughout: per-rank means averaged vs one mean over the global batch differ by a few ulps per
         # gradient element, grown over 6 AdamW steps; clipping at the wrong norm moves weights by ~1e-3.
-        torch.testing.assert_close(saved["state_dict"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(saved["state_dict"][name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         for record in records:  # each rank's replica, as it ended
             assert torch.equal(record["final"][name], saved["state_dict"][name]), name
     (optimizer_state,) = saved["optimizer_states"]
@@ -72,7 +72,8 @@ def test_two_processes_train_like_one_process_on_their_batches(uninterrupted):
         assert int(optimizer_state["state"][index]["step"]) == STEPS
         for moment in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(optimizer_state["state"][index][moment], state[moment], rtol=1e-4,
-                                       atol=1e-6 * state[moment].abs().max().item(), msg=f"{index} {moment}")
+                                       atol=1e-6 * state[moment].abs().max().item(),
+                                       msg=lambda m: f"parameter {index}'s {moment}: {m}")
     assert [g["lr"] for g in optimizer_state["param_groups"]] == pytest.approx([g["lr"] for g in expected["param_groups"]])
 
 
