@@ -140,9 +140,9 @@ TINY = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads",
 """A train.py run of a tiny model on the generated corpus, without the closing sample."""
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_args(cache_dir) -> list[str]:
-    """TINY for ``lm_systems.cli.main`` in this process, on the session's data cache."""
+    """TINY for ``lm_systems.cli.main`` in this process, on the session's data cache (copy it to add flags)."""
     return [*TINY, "--data.cache_dir", str(cache_dir)]
 
 # What this process's test setup put in its environment, which a train.py run must not inherit.
