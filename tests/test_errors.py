@@ -115,6 +115,7 @@ def files_limited_to_100kb():
     signal.signal(signal.SIGXFSZ, handler)
 
 
+@pytest.mark.slow  # trains a step
 def test_a_checkpoint_that_cannot_be_written_is_named_with_the_free_space(capsys, fast, files_limited_to_100kb):
     """torch.save fails with 'enforce fail at inline_container.cc' while handling the OSError that says why."""
     line = one_line_error(fast, capsys, status=1)

@@ -34,6 +34,7 @@ def first_run(tmp_path_factory, tiny_args) -> tuple[Path, list[str]]:
     return checkpoint, common
 
 
+@pytest.mark.slow  # first_run trains
 def test_typed_settings_take_effect_and_untyped_model_settings_continue(first_run, tmp_path, caplog):
     checkpoint, common = first_run
     resumed = main([*common, "--max_steps", "4", "--model.lr", "1e-3",
@@ -64,12 +65,14 @@ def usage_error(args: list[str], capsys) -> str:
     return err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # first_run trains
 def test_a_typed_shape_change_is_refused_naming_both_values(first_run, capsys):
     checkpoint, common = first_run
     line = usage_error([*common, "--model.d_model", "64", "--ckpt_path", str(checkpoint)], capsys)
     assert line.startswith("error: --model.d_model 64 does not match the checkpoint's 32"), line
 
 
+@pytest.mark.slow  # first_run trains
 def test_a_different_tokenizer_is_refused_naming_both(first_run, capsys):
     checkpoint, common = first_run
     line = usage_error([*common, "--data.vocab_size", "275", "--ckpt_path", str(checkpoint)], capsys)
