@@ -236,9 +236,8 @@ class LitLM(L.LightningModule):
         unscales inside ``step()`` (fused AdamW), even under bf16-mixed where nothing is scaled.
         """
         if gradient_clip_val and gradient_clip_algorithm not in (None, "norm"):
-            raise InputError(
-                f"only clipping by norm is supported, got --trainer.gradient_clip_algorithm {gradient_clip_algorithm}"
-            )
+            given = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)  # Lightning passes its enum
+            raise InputError(f"only clipping by norm is supported, got --trainer.gradient_clip_algorithm {given}")
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         log_now = self._logs_this_step()
         needs_norm = bool(gradient_clip_val) or log_now or self._nonfinite.policy == "skip"

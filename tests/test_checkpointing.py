@@ -126,6 +126,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_kill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path):
     """SIGKILL at several moments of a stream of 16 MB saves to one path: the file always loads, whole."""
     path = tmp_path / "last.ckpt"

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -21,12 +20,8 @@ from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.cli import main
 from lm_systems.run_logger import RunLogger
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
-FAST = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",
-        "--model.context_length", "16", "--model.sample_tokens", "4", "--data.generated_stories", "300",
-        "--data.vocab_size", "280", "--data.batch_size", "2", "--data.val_batches", "1",
-        "--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false"]
+NO_VALIDATION = ["--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false"]
 
 
 @pytest.fixture(autouse=True)
@@ -34,17 +29,21 @@ def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-def train_py(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+@pytest.fixture
+def fast(tiny_args) -> list[str]:
+    """A tiny run without validation, in this process."""
+    return [*tiny_args, *NO_VALIDATION]
 
 
-def usage_error(args: list[str], capsys) -> str:
-    """The last line of stderr of ``main(args)``, which must exit with 2 like a mistyped flag."""
-    with pytest.raises(SystemExit) as exit_:
-        main([*FAST, *args])
-    assert exit_.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
+@pytest.fixture
+def usage_error(fast, capsys):
+    def last_line(args: list[str]) -> str:
+        """The last line of stderr of ``main(args)``, which must exit with 2 like a mistyped flag."""
+        with pytest.raises(SystemExit) as exit_:
+            main([*fast, *args])
+        assert exit_.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+    return last_line
 
 
 # -- errors at the door ----------------------------------------------------------------------
@@ -65,10 +64,10 @@ def write_checkpoint(path: Path) -> Path:
     ],
     ids=["truncated", "not-a-zip", "folder", "missing"],
 )
-def test_ckpt_path_is_checked_before_lightning_reads_it(tmp_path, capsys, damage, message):
+def test_ckpt_path_is_checked_before_lightning_reads_it(tmp_path, usage_error, damage, message):
     path = write_checkpoint(tmp_path / "run.ckpt")
     damage(path)
-    line = usage_error(["--ckpt_path", str(path)], capsys)
+    line = usage_error(["--ckpt_path", str(path)])
     assert f"--ckpt_path {str(path)!r} {message}" in line, line
 
 
@@ -83,14 +82,14 @@ def test_ckpt_path_is_checked_before_lightning_reads_it(tmp_path, capsys, damage
         (["--model.size", "huge"], ["--model.size", "small"]),
     ],
 )
-def test_bad_values_are_one_line_usage_errors_listing_the_valid_ones(args, names, capsys):
-    line = usage_error(args, capsys)
+def test_bad_values_are_one_line_usage_errors_listing_the_valid_ones(args, names, usage_error):
+    line = usage_error(args)
     assert line.startswith("error: ") and all(name in line for name in names), line
 
 
-def test_the_user_sees_no_traceback(tmp_path):
-    run = train_py("--precision", "8-bit")
-    _, err = run.communicate(timeout=120)
+def test_the_user_sees_no_traceback(tmp_path, train_py):
+    run = train_py.run("--precision", "8-bit", cwd=tmp_path, timeout=120)
+    err = run.stderr
     assert run.returncode == 2
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 3, err
     assert "--precision (--trainer.precision) '8-bit' is not one of: " in err
@@ -101,37 +100,38 @@ def test_the_user_sees_no_traceback(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_crash_ckpt_and_exits_128_plus_its_number(tmp_path, signum):
+def test_a_signal_saves_crash_ckpt_and_exits_128_plus_its_number(tmp_path, signum, train_py):
     """SIGTERM exits 143 and Ctrl-C 130 (Lightning's own exit status for Ctrl-C is 1)."""
-    run = train_py(*FAST, "--max_steps", "100000", "--checkpointing_interval", "1", "--trainer.enable_progress_bar", "false")
     checkpoints = tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints"
-    deadline = time.monotonic() + 240
-    while not (checkpoints / "step=1.ckpt").exists():
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
-        time.sleep(0.2)
-    run.send_signal(signum)
-    _, err = run.communicate(timeout=120)
+    with train_py.start(*train_py.tiny, *NO_VALIDATION, "--max_steps", "100000", "--checkpointing_interval", "1",
+                        cwd=tmp_path) as run:  # killed on the way out if the test fails before it stops
+        deadline = time.monotonic() + 240
+        while not (checkpoints / "step=1.ckpt").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "no step=1.ckpt"
+            time.sleep(0.2)
+        run.send_signal(signum)
+        _, err = run.communicate(timeout=120)
     assert run.returncode == 128 + signum, err
     crash = torch.load(checkpoints / "crash.ckpt", weights_only=False)
     assert crash["global_step"] >= 1
     assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] >= 1
 
 
-def test_a_default_run_prints_no_avoidable_warning_or_tip(tmp_path):
-    run = train_py(*FAST, "--max_steps", "2", "--trainer.enable_progress_bar", "false")
-    out, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err
+def test_a_default_run_prints_no_avoidable_warning_or_tip(tmp_path, train_py):
+    done = train_py.run_ok(*train_py.tiny, *NO_VALIDATION, "--max_steps", "2", "--model.sample_prompt", "Once upon a time",
+                           "--model.sample_tokens", "4", cwd=tmp_path)
+    out, err = done.stdout, done.stderr
     for text in ("Warning", "warn", "Tip", "weights_only", "deprecated"):
         assert text not in out + err, (text, out + err)
     last = tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints" / "last.ckpt"
     assert last.is_symlink() and os.readlink(last) == "step=2.ckpt"
 
 
-def test_a_diverging_run_stops_non_zero_and_keeps_no_non_finite_checkpoint(tmp_path):
+def test_a_diverging_run_stops_non_zero_and_keeps_no_non_finite_checkpoint(tmp_path, train_py):
     """The issue's run: lr 1e6 turns the weights NaN within a few steps; the steps before are saved."""
-    run = train_py(*FAST, "--model.lr", "1e6", "--max_steps", "40", "--checkpointing_interval", "1",
-                   "--trainer.enable_progress_bar", "false")
-    _, err = run.communicate(timeout=300)
+    run = train_py.run(*train_py.tiny, *NO_VALIDATION, "--model.lr", "1e6", "--max_steps", "40",
+                       "--checkpointing_interval", "1", cwd=tmp_path)
+    err = run.stderr
     assert run.returncode != 0
     assert "--model.lr" in err and "--trainer.gradient_clip_val" in err, err[-3000:]
     assert "Traceback" not in err and "could not save" not in err, err[-3000:]  # no crash.ckpt of diverged weights tried
@@ -153,12 +153,15 @@ def test_loggers_racing_for_one_folder_claim_distinct_versions(tmp_path, monkeyp
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["version_0", "version_1", "version_2"]
 
 
-def test_two_runs_started_together_write_separate_folders(tmp_path):
-    main([*FAST, "--max_steps", "1", "--trainer.enable_progress_bar", "false"])  # builds the shared data cache
-    runs = [train_py(*FAST, "--max_steps", "1", "--trainer.enable_progress_bar", "false", "--seed_everything", str(seed))
-            for seed in (1, 2)]
-    for run in runs:
-        assert run.wait(timeout=300) == 0, run.communicate()
+def test_two_runs_started_together_write_separate_folders(tmp_path, fast, train_py):
+    main([*fast, "--max_steps", "1", "--trainer.enable_progress_bar", "false"])  # builds the shared data cache
+    with ExitStack() as running:
+        runs = [running.enter_context(train_py.start(*train_py.tiny, *NO_VALIDATION, "--max_steps", "1",
+                                                     "--seed_everything", str(seed), cwd=tmp_path))
+                for seed in (1, 2)]
+        for run in runs:
+            out, err = run.communicate(timeout=300)
+            assert run.returncode == 0, err
     folders = sorted((tmp_path / "logs" / "lm_systems").iterdir())
     assert [f.name for f in folders] == ["version_0", "version_1", "version_2"]
     seeds = {(f / "config.yaml").read_text().split("seed_everything: ")[1].split()[0] for f in folders[1:]}
@@ -166,17 +169,18 @@ def test_two_runs_started_together_write_separate_folders(tmp_path):
     assert all((f / "checkpoints" / "step=1.ckpt").is_file() for f in folders)
 
 
-def test_default_root_dir_moves_the_runs(tmp_path, monkeypatch):
+def test_default_root_dir_moves_the_runs(tmp_path, monkeypatch, fast):
     monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: None)  # build everything, train nothing
-    cli = main([*FAST, "--trainer.default_root_dir", str(tmp_path / "elsewhere")])
+    cli = main([*fast, "--trainer.default_root_dir", str(tmp_path / "elsewhere")])
     assert Path(cli.trainer.logger.log_dir) == tmp_path / "elsewhere" / "logs" / "lm_systems" / "version_0"
     assert not (tmp_path / "logs").exists()
 
 
-def test_resume_into_run_continues_the_folder_and_the_bar_total(tmp_path):
-    first = main([*FAST, "--max_steps", "4", "--checkpointing_interval", "2", "--trainer.enable_progress_bar", "false"])
+@pytest.mark.slow
+def test_resume_into_run_continues_the_folder_and_the_bar_total(tmp_path, fast):
+    first = main([*fast, "--max_steps", "4", "--checkpointing_interval", "2", "--trainer.enable_progress_bar", "false"])
     run_dir = Path(first.trainer.logger.log_dir).resolve()
-    resumed = main([*FAST, "--max_steps", "6", "--ckpt_path", str(run_dir / "checkpoints" / "step=2.ckpt"),
+    resumed = main([*fast, "--max_steps", "6", "--ckpt_path", str(run_dir / "checkpoints" / "step=2.ckpt"),
                     "--resume_into_run", "true"])
     assert Path(resumed.trainer.logger.log_dir).resolve() == run_dir
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]
@@ -187,28 +191,40 @@ def test_resume_into_run_continues_the_folder_and_the_bar_total(tmp_path):
         assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (6, 6)
 
 
-def test_resume_into_run_needs_a_run_folder_checkpoint(tmp_path, capsys):
+def test_resume_into_run_needs_a_run_folder_checkpoint(tmp_path, usage_error):
     path = write_checkpoint(tmp_path / "loose.ckpt")
-    line = usage_error(["--ckpt_path", str(path), "--resume_into_run", "true"], capsys)
+    line = usage_error(["--ckpt_path", str(path), "--resume_into_run", "true"])
     assert "--resume_into_run needs a --ckpt_path inside" in line
+
+
+def test_resume_into_run_needs_the_tensorboard_logger(tmp_path, usage_error):
+    checkpoints = tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    path = write_checkpoint(checkpoints / "step=2.ckpt")
+    line = usage_error(["--ckpt_path", str(path), "--resume_into_run", "true",
+                        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "logs"])
+    assert "--resume_into_run continues a TensorBoard run folder: leave --trainer.logger at its default" in line
 
 
 # -- a configuration's own parts --------------------------------------------------------------
 
 
-def built_callbacks(monkeypatch, tmp_path, *args: str) -> list[L.Callback]:
-    monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: None)  # build everything, train nothing
-    return main([*FAST, *args]).trainer.callbacks
+@pytest.fixture
+def built_callbacks(monkeypatch, fast):
+    def build(*args: str) -> list[L.Callback]:
+        monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: None)  # build everything, train nothing
+        return main([*fast, *args]).trainer.callbacks
+    return build
 
 
-def test_a_configured_model_checkpoint_and_progress_bar_are_kept(tmp_path, monkeypatch):
+def test_a_configured_model_checkpoint_and_progress_bar_are_kept(tmp_path, built_callbacks):
     config = tmp_path / "mine.yaml"
     config.write_text(
         "trainer:\n  callbacks:\n"
         "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args: {every_n_train_steps: 7}\n"
         "    - class_path: lightning.pytorch.callbacks.TQDMProgressBar\n      init_args: {refresh_rate: 3}\n"
     )
-    callbacks = built_callbacks(monkeypatch, tmp_path, "-c", str(config))
+    callbacks = built_callbacks("-c", str(config))
     checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
     bars = [c for c in callbacks if isinstance(c, TQDMProgressBar) or isinstance(c, StepsProgressBar)]
     assert [type(c) for c in checkpoints] == [ModelCheckpoint] and checkpoints[0]._every_n_train_steps == 7
@@ -216,14 +232,14 @@ def test_a_configured_model_checkpoint_and_progress_bar_are_kept(tmp_path, monke
     assert any(isinstance(c, CrashCheckpoint) for c in callbacks)
 
 
-def test_the_default_checkpointing_follows_the_interval(tmp_path, monkeypatch):
-    callbacks = built_callbacks(monkeypatch, tmp_path, "--checkpointing_interval", "5")
+def test_the_default_checkpointing_follows_the_interval(built_callbacks):
+    callbacks = built_callbacks("--checkpointing_interval", "5")
     [checkpoint] = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
     assert isinstance(checkpoint, StepCheckpoint) and checkpoint._every_n_train_steps == 5
     assert checkpoint.save_last == "link"
 
 
-def test_an_interval_beside_a_configured_model_checkpoint_is_a_usage_error(tmp_path, monkeypatch, capsys):
+def test_an_interval_beside_a_configured_model_checkpoint_is_a_usage_error(built_callbacks, capsys):
     with pytest.raises(SystemExit):
-        built_callbacks(monkeypatch, tmp_path, "--trainer.callbacks+=ModelCheckpoint", "--checkpointing_interval", "5")
+        built_callbacks("--trainer.callbacks+=ModelCheckpoint", "--checkpointing_interval", "5")
     assert "--checkpointing_interval" in capsys.readouterr().err.strip().splitlines()[-1]

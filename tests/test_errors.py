@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import resource
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -15,11 +14,8 @@ from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, os_error_in, write_error_message
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
-FAST = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",
-        "--model.context_length", "16", "--model.sample_prompt", "", "--data.generated_stories", "300",
-        "--data.vocab_size", "280", "--data.batch_size", "2", "--data.val_batches", "1",
-        "--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false",
-        "--trainer.enable_progress_bar", "false", "--max_steps", "1"]
+QUIET = ["--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false",
+         "--trainer.enable_progress_bar", "false", "--max_steps", "1"]
 
 
 @pytest.fixture(autouse=True)
@@ -28,12 +24,12 @@ def in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv(DEBUG_ENV, "")  # restored after a test that sets it (--debug)
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    """The generated corpus, tokenizer and tokens of FAST, built once."""
-    path = tmp_path_factory.mktemp("data_cache")
-    LMDataModule(generated_stories=300, vocab_size=280, cache_dir=str(path)).prepare_data()
-    return path
+@pytest.fixture
+def fast(tiny_args, cache_dir) -> list[str]:
+    """A one-step tiny run whose corpus, tokenizer and tokens are already in the session's cache (so that a test
+    limiting file sizes fails on the checkpoint it writes, not on building them)."""
+    LMDataModule(generated_stories=300, vocab_size=300, cache_dir=str(cache_dir)).prepare_data()
+    return [*tiny_args, *QUIET]
 
 
 def one_line_error(args: list[str], capsys, status: int = 2) -> str:
@@ -61,16 +57,16 @@ def one_line_error(args: list[str], capsys, status: int = 2) -> str:
     ],
     ids=["devices", "size", "context", "bucket-class", "bucket-name"],
 )
-def test_bad_values_are_one_line(args, says, capsys):
-    assert one_line_error([*FAST, *args], capsys).startswith(says)
+def test_bad_values_are_one_line(args, says, capsys, fast):
+    assert one_line_error([*fast, *args], capsys).startswith(says)
 
 
-def test_a_strategy_name_takes_init_arguments(monkeypatch):
+def test_a_strategy_name_takes_init_arguments(monkeypatch, fast):
     def fit(self, model, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None):
         """Build everything, train nothing."""
 
     monkeypatch.setattr("lightning.pytorch.Trainer.fit", fit)
-    cli = main([*FAST, "--strategy", "bucketed_ddp_spawn", "--trainer.strategy.bucket_size_mb", "5",
+    cli = main([*fast, "--strategy", "bucketed_ddp_spawn", "--trainer.strategy.bucket_size_mb", "5",
                 "--accelerator", "cpu", "--devices", "1"])
     strategy = cli.trainer.strategy
     assert type(strategy).__name__ == "BucketedDDPStrategy" and strategy._bucket_size_mb == 5
@@ -79,30 +75,30 @@ def test_a_strategy_name_takes_init_arguments(monkeypatch):
 
 @pytest.mark.parametrize("text, says", [("model:\n  lr: [1\n", "is not valid YAML at line 3, column 1: expected ','"),
                                         ("- a\n- b\n", "holds a YAML list, not a mapping")])
-def test_a_bad_config_file_is_named(tmp_path, capsys, text, says):
+def test_a_bad_config_file_is_named(tmp_path, capsys, text, says, fast):
     (tmp_path / "mine.yaml").write_text(text)
-    line = one_line_error([*FAST, "-c", "mine.yaml"], capsys)
+    line = one_line_error([*fast, "-c", "mine.yaml"], capsys)
     assert line.startswith(f"error: -c 'mine.yaml' {says}"), line
 
 
 @pytest.mark.parametrize("content", [b"one short line\n", b"caf\xe9 au lait\n", bytes(range(256)) * 4],
                          ids=["shorter-than-context", "latin-1", "binary"])
-def test_a_bad_corpus_is_one_line(tmp_path, capsys, cache_dir, content):
+def test_a_bad_corpus_is_one_line(tmp_path, capsys, fast, content):
     (tmp_path / "corpus.txt").write_bytes(content)
-    line = one_line_error([*FAST, "--data.corpus", "corpus.txt", "--data.cache_dir", str(cache_dir)], capsys)
+    line = one_line_error([*fast, "--data.corpus", "corpus.txt"], capsys)
     assert "--data.corpus 'corpus.txt'" in line
     assert ("lower --model.context_length" in line) if content.startswith(b"one") else ("is not UTF-8 text" in line)
 
 
-def test_debug_keeps_the_traceback(tmp_path, cache_dir):
+def test_debug_keeps_the_traceback(tmp_path, fast):
     (tmp_path / "corpus.txt").write_bytes(b"caf\xe9 au lait\n")
     with pytest.raises(InputError, match="not UTF-8 text"):
-        main([*FAST, "--data.corpus", "corpus.txt", "--data.cache_dir", str(cache_dir), "--debug", "true"])
+        main([*fast, "--data.corpus", "corpus.txt", "--debug", "true"])
 
 
-def test_an_unwritable_log_folder_is_named(tmp_path, capsys, cache_dir):
+def test_an_unwritable_log_folder_is_named(tmp_path, capsys, fast):
     (tmp_path / "a_file").write_text("")  # a folder cannot be made inside it, whoever runs the test
-    line = one_line_error([*FAST, "--data.cache_dir", str(cache_dir), "--trainer.default_root_dir", "a_file/runs"],
+    line = one_line_error([*fast, "--trainer.default_root_dir", "a_file/runs"],
                           capsys, status=1)
     assert line.startswith("error: cannot write 'a_file/runs") and "free on its filesystem" in line, line
     assert "--trainer.default_root_dir" in line
@@ -119,9 +115,10 @@ def files_limited_to_100kb():
     signal.signal(signal.SIGXFSZ, handler)
 
 
-def test_a_checkpoint_that_cannot_be_written_is_named_with_the_free_space(capsys, cache_dir, files_limited_to_100kb):
+@pytest.mark.slow  # trains a step
+def test_a_checkpoint_that_cannot_be_written_is_named_with_the_free_space(capsys, fast, files_limited_to_100kb):
     """torch.save fails with 'enforce fail at inline_container.cc' while handling the OSError that says why."""
-    line = one_line_error([*FAST, "--data.cache_dir", str(cache_dir)], capsys, status=1)
+    line = one_line_error(fast, capsys, status=1)
     assert line.startswith("error: cannot write '") and "step=1.ckpt': File too large (" in line, line
     assert "free on its filesystem); free some space or write elsewhere: --trainer.default_root_dir" in line
 

@@ -1,5 +1,6 @@
 """Generation from a training checkpoint: LitLM.load_from_checkpoint rebuilds the trained model; unreadable files name --ckpt."""
 
+import os
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -31,7 +32,7 @@ def trained(tmp_path_factory) -> tuple[LitLM, LMDataModule, Path]:
     return lit, data, path
 
 
-def test_the_loaded_model_is_the_trained_one(trained):
+def test_the_loaded_model_is_the_trained_one(trained, greedy_text):
     lit, data, path = trained
     model, tokenizer = load_checkpoint(path)
     assert model.config == lit.config and model.config.vocab_size == data.vocab_size  # the vocabulary setup resolved
@@ -40,7 +41,8 @@ def test_the_loaded_model_is_the_trained_one(trained):
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), lit.model(tokens), rtol=0, atol=0)
     assert tokenizer.to_str() == data.tokenizer.to_str()
-    assert sample_text(model, tokenizer, "Once upon a time", max_new_tokens=4, temperature=0).startswith("Once upon a time")
+    expected = greedy_text(lit.model, data.tokenizer, "Once upon a time", max_new_tokens=4)
+    assert sample_text(model, tokenizer, "Once upon a time", max_new_tokens=4, temperature=0) == expected
 
 
 @pytest.mark.gpu
@@ -54,12 +56,12 @@ def test_the_model_is_loaded_onto_the_chosen_device(trained):
         torch.testing.assert_close(model(tokens.cuda()).cpu(), lit.model.cpu()(tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_the_command_line_samples_from_the_checkpoint(trained, capsys):
-    _, _, path = trained
+def test_the_command_line_samples_from_the_checkpoint(trained, capsys, greedy_text):
+    lit, data, path = trained
     main(["--ckpt", str(path), "--prompt", "Once upon a time", "--max_new_tokens", "3", "--num_samples", "2",
           "--temperature", "0", "--device", "cpu"])
-    out = capsys.readouterr().out
-    assert out.count("Once upon a time") == 2 and "--- sample 2 ---" in out
+    expected = greedy_text(lit.model, data.tokenizer, "Once upon a time", max_new_tokens=3)
+    assert capsys.readouterr().out == f"--- sample 1 ---\n{expected}\n--- sample 2 ---\n{expected}\n"
 
 
 def test_unreadable_or_foreign_checkpoints_name_the_flag(tmp_path):
@@ -71,6 +73,13 @@ def test_unreadable_or_foreign_checkpoints_name_the_flag(tmp_path):
     junk.write_text("not a checkpoint")
     with pytest.raises(ValueError, match="--ckpt"):
         load_checkpoint(junk)
+    unreadable = tmp_path / "unreadable.ckpt"
+    torch.save({}, unreadable)
+    unreadable.chmod(0)
+    with pytest.MonkeyPatch.context() as patch:  # root (CI's user) reads any file: its access check answers as for others
+        patch.setattr(os, "access", lambda path, mode: os.stat(path).st_mode & 0o444 != 0)
+        with pytest.raises(PermissionError, match="--ckpt .* cannot be read \\(permission denied\\)"):
+            load_checkpoint(unreadable)
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
     with pytest.raises(ValueError, match="not written by lm_systems training"):

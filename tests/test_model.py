@@ -41,6 +41,7 @@ def _compiled_backward_nodes(output: torch.Tensor) -> int:
     return sum("CompiledFunction" in type(node).__name__ for node in seen)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_match_eager_and_keep_one_backward_node_per_block():
     config = ModelConfig.from_name("tiny", vocab_size=97, context_length=32, num_layers=3)
     eager, compiled = TransformerLM(config), TransformerLM(config)

@@ -14,11 +14,8 @@ from lm_systems.cli import main
 from lm_systems.lit_module import LitLM
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
-FAST = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",
-        "--model.context_length", "16", "--model.sample_prompt", "", "--data.generated_stories", "300",
-        "--data.vocab_size", "280", "--data.batch_size", "2", "--data.val_batches", "1",
-        "--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false",
-        "--trainer.enable_progress_bar", "false"]
+QUIET = ["--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false",
+         "--trainer.enable_progress_bar", "false"]
 
 
 @pytest.fixture(autouse=True)
@@ -27,16 +24,17 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory) -> tuple[Path, list[str]]:
+def first_run(tmp_path_factory, tiny_args) -> tuple[Path, list[str]]:
     """A run at lr 0.5, one warm-up step, no clipping and the skip policy; its step=2.ckpt and the flags to reuse."""
     root = tmp_path_factory.mktemp("first_run")
-    common = [*FAST, "--data.cache_dir", str(root / "data_cache")]
+    common = [*tiny_args, *QUIET]
     main([*common, "--trainer.logger.init_args.save_dir", str(root), "--max_steps", "2", "--model.lr", "0.5", "--model.warmup_steps", "1",
           "--trainer.gradient_clip_val", "0", "--model.on_nonfinite", "skip"])
     (checkpoint,) = root.rglob("step=2.ckpt")
     return checkpoint, common
 
 
+@pytest.mark.slow  # first_run trains
 def test_typed_settings_take_effect_and_untyped_model_settings_continue(first_run, tmp_path, caplog):
     checkpoint, common = first_run
     resumed = main([*common, "--max_steps", "4", "--model.lr", "1e-3",
@@ -67,16 +65,18 @@ def usage_error(args: list[str], capsys) -> str:
     return err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # first_run trains
 def test_a_typed_shape_change_is_refused_naming_both_values(first_run, capsys):
     checkpoint, common = first_run
     line = usage_error([*common, "--model.d_model", "64", "--ckpt_path", str(checkpoint)], capsys)
     assert line.startswith("error: --model.d_model 64 does not match the checkpoint's 32"), line
 
 
+@pytest.mark.slow  # first_run trains
 def test_a_different_tokenizer_is_refused_naming_both(first_run, capsys):
     checkpoint, common = first_run
     line = usage_error([*common, "--data.vocab_size", "275", "--ckpt_path", str(checkpoint)], capsys)
-    assert "the data's tokenizer (275 tokens" in line and "is not the checkpoint's (280 tokens" in line, line
+    assert "the data's tokenizer (275 tokens" in line and "is not the checkpoint's (300 tokens" in line, line
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """`python train.py ...` on one GPU, run as the user runs it (a subprocess): every strategy in every precision
-with clipping on, compiled, the Triton kernel, resuming from last.ckpt, and the shipped configs.
+with clipping on, compiled, the Triton kernel, resuming exactly, and the shipped configs.
 
 Each run must exit 0, lower the training loss (TensorBoard's train/loss, first logged value against the
 last) and leave a checkpoint whose weights load and are finite.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,17 +25,9 @@ PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    """The generated corpus and tokenizer, built by the first run and shared by the others."""
-    return tmp_path_factory.mktemp("data_cache")
-
-
-def train_py(run_dir: Path, cache_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO / "train.py"), *SHORT, "--data.cache_dir", str(cache_dir), *args]
-    done = subprocess.run(command, cwd=run_dir, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return done
+def run(train_py, run_dir: Path, cache_dir: Path, *args: str, timeout: int = 540) -> subprocess.CompletedProcess:
+    """``python train.py`` with SHORT and ``args`` (within the test's 600 s limit), which must exit 0."""
+    return train_py.run_ok(*SHORT, "--data.cache_dir", str(cache_dir), *args, cwd=run_dir, timeout=timeout)
 
 
 def version_dir(run_dir: Path) -> Path:
@@ -61,50 +52,54 @@ def assert_trained(run_dir: Path, checkpointed: bool = True) -> dict | None:
     return checkpoint
 
 
-def test_the_default_run(tmp_path, cache_dir):
-    train_py(tmp_path, cache_dir)
+def test_the_default_run(tmp_path, cache_dir, train_py):
+    run(train_py, tmp_path, cache_dir)
     assert_trained(tmp_path)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("strategy", ["auto", "ddp", *OUR_STRATEGIES])
-def test_strategy_and_precision_on_one_gpu(strategy, precision, tmp_path, cache_dir):
-    train_py(tmp_path, cache_dir, "--strategy", strategy, "--devices", "1", "--precision", precision,
+def test_strategy_and_precision_on_one_gpu(strategy, precision, tmp_path, cache_dir, train_py):
+    run(train_py, tmp_path, cache_dir, "--strategy", strategy, "--devices", "1", "--precision", precision,
              "--trainer.gradient_clip_val", "1.0")
     assert_trained(tmp_path)
 
 
 @pytest.mark.parametrize("attention", ["auto", "sdpa", "flash_triton"])
-def test_compiled(attention, tmp_path, cache_dir):
-    train_py(tmp_path, cache_dir, "--model.compile", "true", "--model.attention", attention, "--precision", "bf16-mixed")
+def test_compiled(attention, tmp_path, cache_dir, train_py):
+    run(train_py, tmp_path, cache_dir, "--model.compile", "true", "--model.attention", attention, "--precision", "bf16-mixed")
     assert_trained(tmp_path)
 
 
-def test_flash_triton_attention(tmp_path, cache_dir):
-    done = train_py(tmp_path, cache_dir, "--model.attention", "flash_triton", "--precision", "bf16-mixed",
+def test_flash_triton_attention(tmp_path, cache_dir, train_py):
+    done = run(train_py, tmp_path, cache_dir, "--model.attention", "flash_triton", "--precision", "bf16-mixed",
                     "--strategy", "bucketed_ddp")
     assert "attention=flash_triton" in done.stdout + done.stderr
     assert_trained(tmp_path)
 
 
-def test_resume_from_last_checkpoint_continues_the_step_count(tmp_path, cache_dir):
-    train_py(tmp_path, cache_dir, "--precision", "bf16-mixed")
-    last = version_dir(tmp_path) / "checkpoints" / "last.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == STEPS
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    train_py(resumed, cache_dir, "--precision", "bf16-mixed", "--ckpt_path", str(last), "--max_steps", str(2 * STEPS))
-    assert torch.load(version_dir(resumed) / "checkpoints" / "last.ckpt", map_location="cpu",
-                      weights_only=False)["global_step"] == 2 * STEPS
+def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ended(tmp_path, cache_dir, train_py,
+                                                                         assert_same_training_state):
+    """Stopped at step 20's checkpoint and resumed to 40 (validating at step 20 in both): the uninterrupted run's
+    step=40.ckpt, bit for bit."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    whole.mkdir(), resumed.mkdir()
+    run(train_py, whole, cache_dir, "--precision", "bf16-mixed", "--checkpointing_interval", str(STEPS // 2))
+    checkpoints = version_dir(whole) / "checkpoints"
+    run(train_py, resumed, cache_dir, "--precision", "bf16-mixed", "--ckpt_path", str(checkpoints / f"step={STEPS // 2}.ckpt"))
+    load = lambda path: torch.load(path, map_location="cpu", weights_only=False)  # noqa: E731
+    assert_same_training_state(load(version_dir(resumed) / "checkpoints" / f"step={STEPS}.ckpt"),
+                               load(checkpoints / f"step={STEPS}.ckpt"))
 
 
+@pytest.mark.timeout(960)  # the run's own limit is 900 s
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
-def test_shipped_config(config, tmp_path, cache_dir):
+def test_shipped_config(config, tmp_path, cache_dir, train_py):
     """Each shipped config for a few steps at its own size and precision (TinyStories' data swapped for the
     generated corpus: nothing is downloaded here); the loss must fall within those steps. No checkpoints:
     the 2.7b one alone would take 40 GB of the test machine's disk."""
     data = ["--data.corpus", "generated"] if config == "tinystories.yaml" else []
-    train_py(tmp_path, cache_dir, "-c", str(REPO / "configs" / config), *SHORT, *data, "--max_steps", "12",
+    run(train_py, tmp_path, cache_dir, "-c", str(REPO / "configs" / config), *SHORT, *data, "--max_steps", "12",
              "--model.warmup_steps", "2",
              "--trainer.val_check_interval", "12", "--trainer.log_every_n_steps", "2", "--data.val_batches", "1",
              "--trainer.accumulate_grad_batches", "1", "--trainer.enable_checkpointing", "false", timeout=900)

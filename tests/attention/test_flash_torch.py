@@ -84,6 +84,7 @@ def test_saves_only_logsumexp_beside_inputs_and_output():
     assert [t.shape for t in saved] == [q.shape, k.shape, v.shape, out.shape, q.shape[:-1]]
 
 
+@pytest.mark.slow
 def test_runs_under_torch_compile():
     # aot_eager traces forward and backward through dynamo and AOTAutograd without a C++ toolchain.
     q, k, v = _inputs((1, 2), 33, 33, 16, torch.float32)
@@ -111,6 +112,7 @@ def test_bad_inputs_raise_clear_errors(make_bad, message):
         FlashAttention2Torch.apply(*make_bad(q), False)
 
 
+@pytest.mark.slow
 def test_model_with_flash_torch_matches_naive():
     config = ModelConfig(vocab_size=97, context_length=80, d_model=64, num_layers=2, num_heads=4, d_ff=128)
     torch.manual_seed(1)

@@ -34,12 +34,15 @@ BOUNDS = {
 
 # (leading dims, N_q, N_k, d): odd lengths, N_q != N_k both ways (with causal rows that see no key),
 # d 16, 64 and 80 (padded to 128), 3-D inputs. Interpreter tiles are 32×16 and 16×32.
+# About a second a case in the interpreter: the first shape alone is in the fast subset (pytest -m "not slow").
 SMALL_SHAPES = [
     ((1, 2), 17, 17, 16),
-    ((1, 2), 37, 48, 64),
-    ((1, 2), 48, 17, 80),
-    ((2,), 33, 33, 64),
-    ((1, 1), 45, 20, 16),
+    *(pytest.param(*shape, marks=pytest.mark.slow) for shape in [
+        ((1, 2), 37, 48, 64),
+        ((1, 2), 48, 17, 80),
+        ((2,), 33, 33, 64),
+        ((1, 1), 45, 20, 16),
+    ]),
 ]
 
 
@@ -74,6 +77,7 @@ def test_matches_float64_reference(lead, n_q, n_k, d, dtype, is_causal):
     _check_against_reference(*_inputs(lead, n_q, n_k, d, dtype), is_causal)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not flash_triton.interpreting(), reason="tile configs are chosen by autotuning on a GPU")
 def test_tiles_taller_than_wide_and_wider_than_tall(monkeypatch):
     # The default interpreter tiles are 32×16 (forward, dQ) and 16×32 (dK/dV); GPU configs use both
@@ -104,6 +108,7 @@ def test_logsumexp_is_saved_and_matches_reference():
     assert [t.shape for t in saved] == [q.shape, k.shape, v.shape, q.shape, q.shape[:-1]]
 
 
+@pytest.mark.slow
 def test_strided_inputs_as_the_model_passes_them():
     # q, k, v as views of one fused projection (B, T, 3, H, d) → (B, H, T, d) with row stride 3·H·d,
     # and a tensor whose last dim is strided (which the wrapper copies).

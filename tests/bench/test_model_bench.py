@@ -19,6 +19,7 @@ def _rows(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_every_mode_and_precision_gets_a_consistent_row(tmp_path):
     rows = bench.main([*FAST, "--device", "cpu", "--modes", *bench.MODES, "--out-dir", str(tmp_path), "--name", "t"])
     assert [(r["mode"], r["precision"]) for r in rows] == [(m, p) for p in ("fp32", "bf16") for m in bench.MODES]
@@ -36,6 +37,7 @@ def _case(mode: str, precision: str = "fp32") -> bench.Case:
     return bench.Case("tiny", 9, mode, precision, "naive", False, warmup=0, steps=1, batch_size=2, vocab_size=37)
 
 
+@pytest.mark.slow
 def test_modes_do_what_they_say():
     model = bench.build_model("tiny", 9, "naive", 37, torch.device("cpu"))
     before = [p.detach().clone() for p in model.parameters()]
@@ -47,6 +49,7 @@ def test_modes_do_what_they_say():
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+@pytest.mark.slow
 def test_mfu_uses_the_shared_peak_table(monkeypatch):
     monkeypatch.setattr(bench, "peak_flops", lambda device, dtype: 1e9 if dtype == torch.bfloat16 else 2e9)
     model = bench.build_model("tiny", 9, "naive", 37, torch.device("cpu"))
@@ -57,6 +60,7 @@ def test_mfu_uses_the_shared_peak_table(monkeypatch):
         assert row["mfu"] == pytest.approx(flops / (row["mean_ms"] / 1e3) / peak)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "failure, status",
     [(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)"), "OOM"), (RuntimeError("boom"), "error: RuntimeError")],
@@ -75,6 +79,7 @@ def test_a_failing_case_is_a_row_and_the_sweep_goes_on(failure, status, tmp_path
     assert status in (tmp_path / "model_benchmark.md").read_text()
 
 
+@pytest.mark.slow
 def test_isolated_cases_run_in_fresh_processes(tmp_path):
     rows = bench.main([*FAST, "--device", "cpu", "--modes", "forward", "--precisions", "fp32", "--warmup-steps", "0",
                        "--isolate", "--out-dir", str(tmp_path)])

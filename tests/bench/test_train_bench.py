@@ -1,6 +1,7 @@
 """bench.train on the CPU: both paths train the same setup, and the table carries the ratio rows."""
 
 import csv
+import statistics
 import weakref
 from unittest.mock import patch
 
@@ -14,25 +15,44 @@ from lm_systems.data.datamodule import LMDataModule
 from lm_systems.lit_module import LitLM
 
 
+@pytest.mark.slow
 def test_cpu_run_writes_both_paths_their_ratio_and_the_attention_ratio(tmp_path, monkeypatch):
+    """The rows against the segments' own times (each setup's Rounds, as summary_rows received them): medians,
+    ranges, and ratios taken segment by segment."""
     monkeypatch.chdir(tmp_path)  # data cache and logs land here
+    measured, summary_rows = {}, bench.summary_rows
+
+    def recording(setup, rounds, *args):
+        measured[setup.attention] = rounds
+        return summary_rows(setup, rounds, *args)
+
+    monkeypatch.setattr(bench, "summary_rows", recording)
     bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "naive", "--compile", "off",
                 "--rounds", "2", "--warmup", "1", "--steps", "2", "--out-dir", str(tmp_path / "out")])
     rows = list(csv.DictReader((tmp_path / "out" / "train_step.csv").open()))
+
+    def assert_row(row, values: list[float]) -> None:
+        assert int(row["rounds"]) == len(values)
+        assert float(row["ms_per_step"]) == pytest.approx(statistics.median(values))
+        assert (float(row["min_ms"]), float(row["max_ms"])) == pytest.approx((min(values), max(values)))
+
     for attention in ("sdpa", "naive"):
         by_path = {row["path"]: row for row in rows if row["setup"].endswith(attention)}
         assert set(by_path) == {"train_py", "plain", "train_py / plain"}
-        for path in ("train_py", "plain"):
-            assert by_path[path]["rounds"] == "2" and float(by_path[path]["ms_per_step"]) > 0
-        ratio = by_path["train_py / plain"]
-        assert float(ratio["min_ms"]) <= float(ratio["ms_per_step"]) <= float(ratio["max_ms"])
-        expected = float(by_path["train_py"]["ms_per_step"]) / float(by_path["plain"]["ms_per_step"])
-        assert float(ratio["ms_per_step"]) == pytest.approx(expected, rel=0.6)  # a median of per-segment ratios
-    # Both setups' plain loops ran both attentions: two segments each.
+        train_py, plain = (m.ms_per_step for m in measured[attention].train_py), measured[attention].plain[attention]
+        train_py, plain = list(train_py), [m.ms_per_step for m in plain]
+        assert len(train_py) == len(plain) == 2 and min(train_py + plain) > 0
+        assert_row(by_path["train_py"], train_py)
+        assert_row(by_path["plain"], plain)
+        assert_row(by_path["train_py / plain"], [a / b for a, b in zip(train_py, plain)])
+    # Both setups' plain loops ran both attentions: two segments each, four ratios.
     (attention,) = [row for row in rows if row["path"] == "plain naive / sdpa"]
-    assert attention["rounds"] == "4" and attention["setup"] == "tiny ctx32×2 bf16-mixed"
+    assert attention["setup"] == "tiny ctx32×2 bf16-mixed"
+    assert_row(attention, [a.ms_per_step / b.ms_per_step for rounds in measured.values()
+                           for a, b in zip(rounds.plain["naive"], rounds.plain["sdpa"])])
 
 
+@pytest.mark.slow
 def test_the_plain_loop_switches_attention_in_place(tmp_path):
     data = LMDataModule(context_length=16, batch_size=2, generated_stories=300, vocab_size=300,
                         cache_dir=str(tmp_path))
@@ -50,6 +70,7 @@ class Killed(Exception):
     """Stands in for the device's call limit ending the process (Lightning catches KeyboardInterrupt itself)."""
 
 
+@pytest.mark.slow
 def test_a_run_cut_short_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     step, calls = bench.PlainLoop.step, []
@@ -98,6 +119,7 @@ def test_default_attention_leaves_out_the_cuda_kernel_on_the_cpu(capsys):
     assert "--attention: invalid choice: 'fastest'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_each_setup_lets_go_of_its_models_before_the_next(tmp_path, monkeypatch):
     """Two xl models fill a GPU: the next setup can only start once the last one's are gone."""
     monkeypatch.chdir(tmp_path)
@@ -123,6 +145,7 @@ TINY_RUN = ["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "--comp
             "--warmup", "1", "--steps", "2", "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_a_setup_in_its_own_process_sends_each_round_back(tmp_path, monkeypatch):
     """What the bench does on a GPU, run on the CPU: a spawned process per setup."""
     monkeypatch.chdir(tmp_path)
@@ -133,6 +156,7 @@ def test_a_setup_in_its_own_process_sends_each_round_back(tmp_path, monkeypatch)
     assert received == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_setup_that_fails_in_its_own_process_says_which(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = bench.parse_args([*TINY_RUN, "--train-py-flags", "--model.lr -1"])

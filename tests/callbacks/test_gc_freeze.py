@@ -35,6 +35,7 @@ class _Watch(L.Callback):
         self.seen.setdefault("validation object, after validation", _frozen(self.made_in_validation))
 
 
+@pytest.mark.slow
 def test_objects_alive_after_the_first_step_and_each_validation_are_frozen_until_teardown(tmp_path):
     assert gc.get_freeze_count() == 0
     watch = _Watch()
@@ -47,6 +48,7 @@ def test_objects_alive_after_the_first_step_and_each_validation_are_frozen_until
     assert gc.get_freeze_count() == 0 and not _frozen(watch.before_training)
 
 
+@pytest.mark.slow
 def test_a_freeze_made_before_the_run_is_left_in_place(tmp_path):
     gc.freeze()
     try:
@@ -63,6 +65,7 @@ class _Fail(L.Callback):
             raise RuntimeError("failed mid-run")
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_gives_its_objects_back(tmp_path):
     with pytest.raises(RuntimeError, match="failed mid-run"):
         fit(RandomTokenLM(), [GCFreeze(), _Fail()], tmp_path, max_steps=4)

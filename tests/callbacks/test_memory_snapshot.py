@@ -11,6 +11,7 @@ from callbacks import MemorySnapshot
 from tiny_training import RandomTokenLM, fit
 
 
+@pytest.mark.slow
 def test_cpu_run_warns_and_trains_on(tmp_path):
     module = RandomTokenLM()
     callback = MemorySnapshot(start_step=0)

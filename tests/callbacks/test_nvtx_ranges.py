@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as L
+import pytest
 import torch
 
 from callbacks import NVTXRanges
@@ -33,6 +34,7 @@ class ForcedNVTXRanges(NVTXRanges):
         return True
 
 
+@pytest.mark.slow
 def test_training_is_unchanged(tmp_path):
     torch.manual_seed(3)
     plain = RandomTokenLM()
@@ -46,6 +48,7 @@ def test_training_is_unchanged(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_ranges_nest_per_phase_with_accumulation(tmp_path, monkeypatch):
     recorder = RangeRecorder()
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", recorder.range_push)

@@ -2,7 +2,6 @@
 (train.py's use is in tests/test_cli.py)."""
 
 import lightning.pytorch as L
-import pytest
 import torch
 
 from callbacks import StepsProgressBar
@@ -11,7 +10,6 @@ from callbacks.progress import StepsTQDMProgressBar
 
 def test_progress_bar_has_no_negative_epoch_total():
     """Training by steps leaves max_epochs at -1; Lightning's rich bar read "Epoch 0/-2" there."""
-    pytest.importorskip("rich")  # not a dependency: the bar is Lightning's RichProgressBar, which needs it
     for max_epochs, expected in ((-1, "Epoch 0"), (3, "Epoch 0/2")):
         bar = StepsProgressBar()
         bar.setup(L.Trainer(max_steps=5, max_epochs=max_epochs, callbacks=[bar], logger=False), None, "fit")
@@ -42,8 +40,9 @@ class _Trainer:
         return {} if self.loss is None else {"train/loss": self.loss.detach()}
 
 
-def test_bar_reads_each_logged_loss_once():
+def test_bar_reads_each_logged_loss_once(monkeypatch):
     """Lightning asks for the bar's metrics after every batch; the logged loss is read once per logged value."""
+    monkeypatch.setattr(_CountingTensor, "reads", 0)
     bar, trainer = StepsTQDMProgressBar(), _Trainer()
     assert "train/loss" not in bar.get_metrics(trainer, None)
     trainer.loss = torch.tensor(2.5).as_subclass(_CountingTensor)

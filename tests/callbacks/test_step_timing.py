@@ -57,6 +57,7 @@ class ClockedLM(RandomTokenLM):
         self.clock.advance(PHASE_S["optimizer"])  # after the callback's hook: inside the optimizer phase
 
 
+@pytest.mark.slow
 def test_phases_measure_their_own_hooks_and_files_agree(tmp_path, clock):
     timer = StepTimer(warmup_steps=2, timed_steps=3)
     trainer = fit(ClockedLM(clock), [timer], tmp_path, max_steps=6)
@@ -85,6 +86,7 @@ def test_phases_measure_their_own_hooks_and_files_agree(tmp_path, clock):
     assert logged[-1].value == pytest.approx(timer.summary["optimizer"]["mean_ms"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_sums_micro_batches(tmp_path, clock):
     timer = StepTimer(warmup_steps=1, timed_steps=2)
     fit(ClockedLM(clock), [timer], tmp_path, max_steps=3, accumulate_grad_batches=2)
@@ -93,6 +95,7 @@ def test_gradient_accumulation_sums_micro_batches(tmp_path, clock):
         assert timer.summary[phase]["mean_ms"] == pytest.approx(micro_batches * PHASE_S[phase] * 1e3), phase
 
 
+@pytest.mark.slow
 def test_short_run_warns_and_writes_what_it_timed(tmp_path):
     timer = StepTimer(warmup_steps=1, timed_steps=10)
     with pytest.warns(UserWarning, match="timed 2 of 10 steps"):

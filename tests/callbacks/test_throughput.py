@@ -22,6 +22,7 @@ def _last_logged(metrics_csv, key: str) -> float:
     return float(values[-1])
 
 
+@pytest.mark.slow
 def test_tokens_per_second_and_mfu(tmp_path):
     module = RandomTokenLM()
     trainer = fit(

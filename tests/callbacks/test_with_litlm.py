@@ -20,6 +20,7 @@ SMALL_MODEL = {"size": "tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "
 SMALL_DATA = {"generated_stories": 200, "vocab_size": 280, "batch_size": 2, "val_batches": 2}
 
 
+@pytest.mark.slow
 def test_litlm_trains_with_every_profiling_callback(tmp_path):
     L.seed_everything(7)
     data = LMDataModule(context_length=24, cache_dir=str(tmp_path / "data"), **SMALL_DATA)

@@ -1,4 +1,5 @@
-"""Small corpora and tokenizers for the data tests: every fixture builds in well under a second."""
+"""Small corpora and tokenizers for the data tests (every fixture builds in well under a second), and a count of what
+LMDataModule builds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 
 import pytest
 
+from lm_systems.data import datamodule as datamodule_module
 from lm_systems.data.tokenizer import END_OF_TEXT, train_bpe_tokenizer
 
 WORDS = "the cat dog sat ran on a mat under big red sun and then slept ate fish bird flew over hill".split()
@@ -20,6 +22,22 @@ def random_documents(count: int, seed: int) -> list[str]:
         " ".join(rng.choice(WORDS + extras) for _ in range(rng.randint(3, 40))).capitalize() + rng.choice(".!?")
         for _ in range(count)
     ]
+
+
+@pytest.fixture
+def build_calls(monkeypatch):
+    """Counts tokenizer trainings and token-cache builds done by LMDataModule."""
+    calls = {"tokenizer": 0, "tokens": 0}
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(datamodule_module, "train_bpe_tokenizer", counting("tokenizer", datamodule_module.train_bpe_tokenizer))
+    monkeypatch.setattr(datamodule_module, "build_token_cache", counting("tokens", datamodule_module.build_token_cache))
+    return calls
 
 
 @pytest.fixture(scope="session")

@@ -15,22 +15,6 @@ from lm_systems.data.token_cache import build_token_cache, token_dtype
 from lm_systems.data.tokenizer import END_OF_TEXT, save_tokenizer, train_bpe_tokenizer
 
 
-@pytest.fixture
-def build_calls(monkeypatch):
-    """Counts tokenizer trainings and token-cache builds done by LMDataModule."""
-    calls = {"tokenizer": 0, "tokens": 0}
-
-    def counting(name, function):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return function(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(datamodule_module, "train_bpe_tokenizer", counting("tokenizer", datamodule_module.train_bpe_tokenizer))
-    monkeypatch.setattr(datamodule_module, "build_token_cache", counting("tokens", datamodule_module.build_token_cache))
-    return calls
-
-
 def prepare(corpus, cache_dir, **kwargs) -> LMDataModule:
     module = LMDataModule(corpus=str(corpus), cache_dir=str(cache_dir), vocab_size=300, **kwargs)
     module.prepare_data()
@@ -112,6 +96,7 @@ def _prepare_and_report(corpus, cache_dir, builds_log, queue) -> None:
     queue.put((module.vocab_size, module.token_splits.tokens("train").tolist()))
 
 
+@pytest.mark.slow
 def test_concurrent_processes_build_the_cache_once(txt_corpus, tmp_path):
     context = multiprocessing.get_context("fork")
     queue = context.Queue()

@@ -1,22 +1,11 @@
-"""Spawning two gloo ranks for the container tests."""
+"""A one-process gloo group for the container tests (``spawn_two_ranks`` is in tests/conftest.py)."""
 
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lm_systems.parallel.ports import free_port
-
-
-def _spawn_two_ranks(worker, out_dir) -> None:
-    """Run ``worker(rank, 2, port, out_dir)`` on two processes; a failure in either fails the test."""
-    mp.spawn(worker, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
-
-
-@pytest.fixture(scope="session")
-def spawn_two_ranks():
-    return _spawn_two_ranks
 
 
 @pytest.fixture

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import strategies  # noqa: F401  (registers the strategy names)
-from lm_systems.parallel.ports import free_port
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer,
                               run_cpu_strategies, zero1_epoch0_checkpoint)
 
@@ -40,9 +38,8 @@ def reference(out_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(out_dir) -> dict[str, list[dict]]:
-    port = free_port()
-    mp.spawn(run_cpu_strategies, args=(2, port, str(out_dir), STRATEGIES), nprocs=2, join=True)
+def runs(out_dir, spawn_two_ranks) -> dict[str, list[dict]]:
+    spawn_two_ranks(run_cpu_strategies, out_dir, STRATEGIES)
     return {name: load_ranks(out_dir, name) for name in [*STRATEGIES, "zero1_resumed"]}
 
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import strategies  # noqa: F401  (registers the strategy names)
-from lm_systems.parallel.ports import free_port
 from strategy_workers import TinyData, TinyLM, make_trainer, run_gpu_strategies
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "zero1+stages1", "bucketed_ddp+bf16",
@@ -23,10 +21,9 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory):
+def out_dir(tmp_path_factory, spawn_two_ranks):
     out = tmp_path_factory.mktemp("strategies_gpu")
-    port = free_port()
-    mp.spawn(run_gpu_strategies, args=(2, port, str(out), STRATEGIES, PRECISIONS), nprocs=2, join=True)
+    spawn_two_ranks(run_gpu_strategies, out, STRATEGIES, PRECISIONS)
     return out
 
 

@@ -4,21 +4,13 @@ and `python train.py --strategy zero3_spawn` end to end."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import strategies
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, epoch0_checkpoint, make_trainer,
                               run_cpu_strategies)
 
-REPO = Path(__file__).resolve().parents[2]
 # Below every gradient norm of these runs (0.86-1.18), so every step clips: by the norm over all ranks' shards,
 # or the weights would differ from one process's (the other strategies' tests clip at 5.0, never engaging).
 CLIP = 0.3
@@ -42,11 +34,8 @@ def reference(out_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(out_dir) -> dict[str, list[dict]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run_cpu_strategies, args=(2, port, str(out_dir), ["zero3"], CLIP), nprocs=2, join=True)
+def runs(out_dir, spawn_two_ranks) -> dict[str, list[dict]]:
+    spawn_two_ranks(run_cpu_strategies, out_dir, ["zero3"], CLIP)
     return {name: load_ranks(out_dir, name) for name in ("zero3", "zero3_resumed")}
 
 
@@ -111,19 +100,14 @@ def test_bad_compute_dtype_names_the_option():
         strategies.Zero3Strategy(compute_dtype="int8")
 
 
-def test_train_py_trains_on_two_spawned_cpu_processes(tmp_path):
+def test_train_py_trains_on_two_spawned_cpu_processes(tmp_path, train_py):
     """The tiny default through train.py: the loss falls, both ranks end with the same full weights, and the
-    last checkpoint holds them."""
-    tiny = ["--model.d_model", "32", "--model.num_layers", "2", "--model.num_heads", "2", "--model.d_ff", "48",
-            "--model.context_length", "16", "--model.sample_prompt", "", "--model.warmup_steps", "2",
-            "--data.generated_stories", "300", "--data.vocab_size", "301", "--data.batch_size", "4",
-            "--data.val_batches", "1", "--trainer.val_check_interval", "4", "--trainer.enable_progress_bar", "false"]
-    command = [sys.executable, str(REPO / "train.py"), "--strategy", "zero3_spawn", "--accelerator", "cpu",
-               "--devices", "2", "--max_steps", "8", *tiny, "--data.cache_dir", str(tmp_path / "cache"),
-               "--trainer.callbacks+=strategy_workers.LossAndWeights", f"--trainer.callbacks.out_dir={tmp_path}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    last checkpoint holds them (tests/test_train_py_two_processes.py replays zero3's popen-launched runs)."""
+    done = train_py.run_ok(*train_py.tiny, "--strategy", "zero3_spawn", "--accelerator", "cpu", "--devices", "2",
+                           "--max_steps", "8", "--model.num_layers", "2", "--model.warmup_steps", "2",
+                           "--data.batch_size", "4", "--trainer.val_check_interval", "4",
+                           "--trainer.callbacks+=tests.strategies.strategy_workers.LossAndWeights",
+                           f"--trainer.callbacks.out_dir={tmp_path}", cwd=tmp_path)
     assert "`Trainer.fit` stopped: `max_steps=8` reached" in done.stdout + done.stderr
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     losses = ranks[0]["losses"]

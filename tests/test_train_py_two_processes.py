@@ -1,0 +1,99 @@
+"""`python train.py --strategy S --accelerator cpu --devices 2` (gloo, Lightning's popen launcher re-running the
+script, hence a subprocess) for each of our strategies, with gradient accumulation, clipping that engages at every
+step and validation on:
+
+- each rank's micro-batches, replayed in one process by a plain AdamW loop (tests/run_record.py), give the final
+  weights and optimizer state of the run's last checkpoint, within float32 reduction-order bounds;
+- for bucketed_ddp, zero1 and zero3, a run stopped at a checkpoint and resumed from it ends bit for bit where the
+  uninterrupted run ended: weights, optimizer state, schedule and data position, on the same batches, with the same
+  validation losses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from run_record import load_records, replay
+
+STEPS, STOP_AT, ACCUMULATE = 6, 3, 2
+# Below every step's gradient norm in these runs (0.6-0.7 measured), so every step clips: a strategy whose
+# wrapper skipped or misplaced clipping would end elsewhere. The replay asserts that each step clipped.
+CLIP = "0.25"
+RUN = ["--accelerator", "cpu", "--devices", "2", "--max_steps", str(STEPS), "--accumulate_grad_batches", str(ACCUMULATE),
+       "--trainer.gradient_clip_val", CLIP, "--model.warmup_steps", "1", "--trainer.val_check_interval", "4",
+       "--checkpointing_interval", str(STOP_AT), "--trainer.logger", "false"]
+
+
+RESUMED = ["bucketed_ddp", "zero1", "zero3"]
+# RESUMED first, at the same positions in both lists: pytest keys a module-scoped parameter by its position, and
+# then runs each strategy's uninterrupted run once for both tests.
+STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(strategy, train_py, tmp_path_factory) -> Path:
+    """The whole run, checkpointing at STOP_AT and at the end; its records in the run folder."""
+    run_dir = tmp_path_factory.mktemp(f"{strategy}_uninterrupted")
+    train_py.run_ok(*train_py.tiny, *RUN, "--strategy", strategy, *record_into(run_dir), cwd=run_dir)
+    return run_dir
+
+
+def record_into(run_dir: Path) -> list[str]:
+    return ["--trainer.callbacks+=tests.run_record.RecordRun", f"--trainer.callbacks.out_dir={run_dir}"]
+
+
+def checkpoint(run_dir: Path, step: int) -> dict:
+    (path,) = run_dir.rglob(f"step={step}.ckpt")
+    return torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, scope="module")
+def test_two_processes_train_like_one_process_on_their_batches(uninterrupted):
+    records = load_records(uninterrupted)
+    assert len(records) == 2 and not torch.equal(records[0]["batches"][0], records[1]["batches"][0]), "ranks' data differ"
+    reference = replay(records)
+    assert min(reference["grad_norms"]) > float(CLIP), ("every step clips", reference["grad_norms"])
+    saved = checkpoint(uninterrupted, STEPS)
+    assert saved["global_step"] == STEPS
+    for name, value in reference["state_dict"].items():
+        assert not torch.equal(value, records[0]["initial"][name]), f"{name} never moved"
+        # float32 throughout: per-rank means averaged vs one mean over the global batch differ by a few ulps per
+        # gradient element, grown over 6 AdamW steps; clipping at the wrong norm moves weights by ~1e-3.
+        torch.testing.assert_close(saved["state_dict"][name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for record in records:  # each rank's replica, as it ended
+            assert torch.equal(record["final"][name], saved["state_dict"][name]), name
+    (optimizer_state,) = saved["optimizer_states"]
+    expected = reference["optimizer"]
+    assert optimizer_state["state"].keys() == expected["state"].keys()
+    for index, state in expected["state"].items():
+        assert int(optimizer_state["state"][index]["step"]) == STEPS
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(optimizer_state["state"][index][moment], state[moment], rtol=1e-4,
+                                       atol=1e-6 * state[moment].abs().max().item(),
+                                       msg=lambda m: f"parameter {index}'s {moment}: {m}")
+    assert [g["lr"] for g in optimizer_state["param_groups"]] == pytest.approx([g["lr"] for g in expected["param_groups"]])
+
+
+@pytest.mark.parametrize("strategy", RESUMED, scope="module")
+def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(strategy, uninterrupted, train_py, tmp_path,
+                                                                   assert_same_training_state):
+    (stop,) = uninterrupted.rglob(f"step={STOP_AT}.ckpt")
+    train_py.run_ok(*train_py.tiny, *RUN, "--strategy", strategy, "--ckpt_path", str(stop), *record_into(tmp_path),
+                    cwd=tmp_path)
+    whole, resumed = checkpoint(uninterrupted, STEPS), checkpoint(tmp_path, STEPS)
+    assert_same_training_state(resumed, whole)
+    assert whole["global_step"] == STEPS and whole["LMDataModule"] == {"train_batches_consumed": STEPS * ACCUMULATE}
+
+    whole_records, resumed_records = load_records(uninterrupted), load_records(tmp_path)
+    for rank, (before, after) in enumerate(zip(whole_records, resumed_records)):
+        assert after["start_step"] == STOP_AT
+        continued = before["batches"][STOP_AT * ACCUMULATE:]
+        assert len(after["batches"]) == len(continued), rank
+        for index, (a, b) in enumerate(zip(after["batches"], continued)):
+            assert torch.equal(a, b), f"rank {rank}: micro-batch {STOP_AT * ACCUMULATE + index} differs"
+        resumed_validations = [(step, loss) for step, loss in before["val_losses"] if step > STOP_AT]
+        assert after["val_losses"] == resumed_validations and resumed_validations, rank
+
