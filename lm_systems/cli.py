@@ -51,6 +51,7 @@ TRAINER_DEFAULTS = {
     "log_every_n_steps": 10,
     "gradient_clip_val": 1.0,
     "devices": 1,
+    "enable_model_summary": False,  # its FLOPs column reads 0 and it warns under bf16; LitLM's line has the size
     "logger": {
         "class_path": "lm_systems.run_logger.RunLogger",
         "init_args": {"save_dir": "logs", "name": "lm_systems", "default_hp_metric": False},
@@ -240,11 +241,20 @@ def check_trainer_choices(trainer: Any) -> None:
                          "such as '0,1'")
 
 
+_UNTELLING_LINES = (
+    "💡 Tip",  # advertising
+    "GPU available:", "TPU available:", "HPU available:",  # the model's line says where it trains
+)
+
+
 def _quiet_lightning() -> None:
-    """Drop Lightning's advertising tip and a deprecation warning that Lightning raises against newer torch."""
+    """Drop Lightning's lines that tell a person nothing ours do not (``_UNTELLING_LINES``), a warning about the
+    validation windows' length (they share their batches out among workers) and a deprecation warning that Lightning
+    raises against newer torch."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: not str(record.msg).startswith("💡 Tip")
+        lambda record: not str(record.msg).startswith(_UNTELLING_LINES)
     )
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 

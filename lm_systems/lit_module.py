@@ -155,9 +155,10 @@ class LitLM(L.LightningModule):
         if batch_size and data_context:
             self.flops_per_batch = self.model.flops_per_token(data_context) * batch_size * data_context
         rank_zero_info(
-            f"TransformerLM {self.hparams.size}: {self.model.num_parameters() / 1e6:.2f}M parameters, "
-            f"{self.model.flops_per_token(data_context) / 1e6:.1f} MFLOP/token (training), "
-            f"attention={describe_attention(self.config.attention, self.hparams.compile)}"
+            f"TransformerLM {self.hparams.size}: {self.model.num_parameters() / 1e6:.2f}M parameters at vocab "
+            f"{self.config.vocab_size}, {self.model.flops_per_token(data_context) / 1e6:.1f} MFLOP/token (training), "
+            f"attention={describe_attention(self.config.attention, self.hparams.compile)}; training on "
+            f"{_devices(self.trainer)} in {self.trainer.precision}"
         )
 
     def _compile_model(self) -> None:
@@ -330,3 +331,10 @@ class LitLM(L.LightningModule):
             )
         if self.trainer.is_global_zero:
             print(f"\nSample after {self.trainer.global_step} steps:\n{text}\n", flush=True)
+
+
+def _devices(trainer: L.Trainer) -> str:
+    """Where ``trainer`` runs, as "cpu" or "2 × NVIDIA H100 80GB HBM3"."""
+    device = trainer.strategy.root_device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{trainer.world_size} × {name}" if trainer.world_size > 1 else name
