@@ -30,6 +30,7 @@ from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
 from lm_systems.resume import RunConfigRecord, SavedSettings
 from lm_systems.run_logger import run_version_of
+from lm_systems.run_summary import RunSummary
 from lm_systems.strategy_flags import strategy_names_as_classes
 
 
@@ -160,7 +161,8 @@ class LMCLI(LightningCLI):
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
-        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(self._subcommand_config())]
+        # After the progress bar: the summary prints once the bar has stopped.
+        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(self._subcommand_config()), RunSummary()]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
 
@@ -242,6 +244,7 @@ def check_trainer_choices(trainer: Any) -> None:
 _UNTELLING_LINES = (
     "💡 Tip",  # advertising
     "GPU available:", "TPU available:", "HPU available:",  # the model's line says where it trains
+    "`Trainer.fit` stopped:",  # printed onto the bar's line; the run's summary says how many steps ran
 )
 
 
