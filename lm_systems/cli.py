@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, ProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -84,6 +84,15 @@ class LMArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Optional[Exception] = None) -> Any:
         super().error(one_line(message), ex)
+
+
+class RunConfigFile(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` in the run's log folder; none without a logger (``--trainer.logger false``),
+    where Lightning wrote it into the working directory (each checkpoint keeps the run's settings anyway)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if trainer.logger is not None:
+            super().setup(trainer, pl_module, stage)
 
 
 class LMCLI(LightningCLI):
@@ -280,6 +289,7 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
             parser_class=LMArgumentParser,
             trainer_defaults=TRAINER_DEFAULTS,
             seed_everything_default=1234,
+            save_config_callback=RunConfigFile,
             save_config_kwargs={"overwrite": True},
             args=args,
             run=run,

@@ -60,6 +60,14 @@ def test_short_run_logs_to_tensorboard_checkpoints_and_resumes(tmp_path, capsys,
     assert_same_training_state(load(resumed_dir / "checkpoints" / "step=6.ckpt"), load(log_dir / "checkpoints" / "step=6.ckpt"))
 
 
+def test_no_logger_leaves_no_files_behind(tmp_path):
+    """Lightning wrote LightningCLI's config.yaml into the working directory when there was no log folder."""
+    cli = main([*FAST, "--max_steps", "2", "--trainer.logger", "false", "--model.sample_prompt", ""])
+    assert cli.trainer.global_step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "data_cache"]
+    assert cli.trainer.num_val_batches == [2]  # the validation bar's total: it read "0/?"
+
+
 def test_config_file_and_print_config(capsys):
     with pytest.raises(SystemExit):
         main(["-c", str(REPO / "configs" / "small.yaml"), "--print_config"])
