@@ -180,11 +180,13 @@ class LitLM(L.LightningModule):
             self.logger.log_hyperparams(self._run_hyperparameters())
 
     def _run_hyperparameters(self) -> dict[str, Any]:
-        """What TensorBoard's HPARAMS tab compares runs by: this module's settings with the model's shape resolved
-        (the vocabulary the tokenizer gave), its size, and the batches and steps it trains on."""
+        """What TensorBoard's HPARAMS tab compares runs by: this module's training settings with the model's shape
+        resolved (the vocabulary the tokenizer gave), its size, and the batches and steps it trains on."""
         trainer, (batch_size, context) = self.trainer, self._data_shape or (None, None)
-        settings = {k: v for k, v in self.hparams.items() if not k.startswith("_")}  # LightningCLI's _instantiator
-        tokens = batch_size * context * trainer.world_size * trainer.accumulate_grad_batches if batch_size and context else None
+        # Not LightningCLI's _instantiator, nor the sample's settings, which change nothing trained.
+        settings = {k: v for k, v in self.hparams.items() if not k.startswith(("_", "sample_"))}
+        per_batch = batch_size * context if batch_size and context else None
+        tokens = per_batch * trainer.world_size * trainer.accumulate_grad_batches if per_batch else None
         return {
             **settings, **asdict(self.config), "parameters": self.model.num_parameters(), "batch_size": batch_size,
             "tokens_per_step": tokens, "max_steps": trainer.max_steps, "precision": trainer.precision,

@@ -73,16 +73,16 @@ class RunLogger(TensorBoardLogger):
 
 def _tensorboard_values(params: Mapping[str, Any], prefix: str = "") -> dict[str, Union[int, float, str, bool]]:
     """``params`` flattened (``{"a": {"b": 1}}`` → ``{"a/b": 1}``) into the values TensorBoard takes; None left out,
-    anything else (a tuple of betas) as its text."""
+    anything else (a bool, a tuple of betas) as its text."""
     values: dict[str, Union[int, float, str, bool]] = {}
     for key, value in params.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             values.update(_tensorboard_values(value, f"{name}/"))
-        elif isinstance(value, (bool, int, float, str)):
+        elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
             values[name] = value
         elif value is not None:
-            values[name] = str(value)
+            values[name] = str(value)  # a bool too: TensorBoard's writer would show it as 0.0 or 1.0
     return values
 
 

@@ -100,7 +100,7 @@ class RunSummary(L.Callback):
             ("finished", f"{steps} steps{resumed} in {_duration(time.perf_counter() - self._fit_start)}"),
             ("loss", _losses(trainer, self._val_step)),
             ("tokens", f"{self._tokens * world:,} ({self._tokens // max(steps, 1) * world:,} a step)"),
-            ("speed", self._speed(trainer)),
+            *self._speed(trainer),
         ]
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "")
         if checkpoint:
@@ -115,19 +115,23 @@ class RunSummary(L.Callback):
             lines.append(("view it", f"tensorboard --logdir {shlex.quote(_shown(logger.save_dir))}"))
         return lines
 
-    def _speed(self, trainer: L.Trainer) -> str:
+    def _speed(self, trainer: L.Trainer) -> list[tuple[str, str]]:
+        """Tokens/s and MFU lines."""
         if self._timed_from is None or not self._timed_tokens:
-            return "not measured: the run took one step (the first, which builds the model, is left out)"
+            return [("speed", "not measured: the run took one step (the first, which builds the model, is left out)")]
         seconds = self._train_end - self._timed_from - self._validation_seconds
-        speed = f"{self._timed_tokens * trainer.world_size / seconds:,.0f} tokens/s (after step 1, validation left out)"
+        tokens_per_s = self._timed_tokens * trainer.world_size / seconds
+        lines = [("speed", f"{tokens_per_s:,.0f} tokens/s (after step 1, validation left out)")]
         monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
         if monitor is None:
-            return speed
+            return lines
         peak = monitor.available_flops
         if not peak:
             device = trainer.strategy.root_device.type
-            return f"{speed}; MFU unknown: no peak FLOP/s known for {device} (MFUMonitor's peak_flops_per_s sets one)"
-        return f"{speed}; MFU {self._timed_flops / seconds / peak:.1%} of {peak / 1e12:,.0f} TFLOP/s per device"
+            mfu = f"unknown: no peak FLOP/s known for {device} (MFUMonitor's peak_flops_per_s sets one)"
+        else:
+            mfu = f"{self._timed_flops / seconds / peak:.1%} of {peak / 1e12:,.0f} TFLOP/s per device"
+        return [*lines, ("MFU", mfu)]
 
 
 def _clock(trainer: L.Trainer) -> float:
