@@ -105,6 +105,7 @@ class LitLM(L.LightningModule):
         self._last_loss: torch.Tensor | None = None
         self._optimizer_settings: list[dict[str, Any]] | None = None  # from configure_optimizers
         self._sample: tuple[int, str] | None = None  # (global step, text) of the last sample taken
+        self._num_parameters: int | None = None  # counted in configure_model
 
     @property
     def config(self) -> ModelConfig:
@@ -158,8 +159,9 @@ class LitLM(L.LightningModule):
         batch_size, data_context = self._data_shape
         if batch_size and data_context:
             self.flops_per_batch = self.model.flops_per_token(data_context) * batch_size * data_context
+        self._num_parameters = self.model.num_parameters()  # whole: a sharding strategy has not split them yet
         rank_zero_info(
-            f"TransformerLM {self.hparams.size}: {self.model.num_parameters() / 1e6:.2f}M parameters at vocab "
+            f"TransformerLM {self.hparams.size}: {self._num_parameters / 1e6:.2f}M parameters at vocab "
             f"{self.config.vocab_size}, {self.model.flops_per_token(data_context) / 1e6:.1f} MFLOP/token (training), "
             f"attention={describe_attention(self.config.attention, self.hparams.compile)}; training on "
             f"{_devices(self.trainer)} in {self.trainer.precision}"
@@ -188,7 +190,7 @@ class LitLM(L.LightningModule):
         per_batch = batch_size * context if batch_size and context else None
         tokens = per_batch * trainer.world_size * trainer.accumulate_grad_batches if per_batch else None
         return {
-            **settings, **asdict(self.config), "parameters": self.model.num_parameters(), "batch_size": batch_size,
+            **settings, **asdict(self.config), "parameters": self._num_parameters, "batch_size": batch_size,
             "tokens_per_step": tokens, "max_steps": trainer.max_steps, "precision": trainer.precision,
             "devices": trainer.world_size, "strategy": type(trainer.strategy).__name__,
         }
