@@ -2,7 +2,6 @@
 checkpoint and logs), the README's commands after two runs, and TensorBoard's event files (tags, steps, the
 hyperparameters' metric, the text samples)."""
 
-import os
 import re
 import shlex
 import subprocess
@@ -17,29 +16,24 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from lm_systems.cli import TRAINER_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["--model.d_model", "64", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "128",
-        "--model.context_length", "32", "--model.sample_tokens", "8", "--data.generated_stories", "1500",
-        "--data.vocab_size", "400", "--data.batch_size", "4", "--data.val_batches", "2"]
 STEPS, VAL_EVERY, LOG_EVERY = 12, 4, 2
-RUN = [*FAST, "--max_steps", str(STEPS), "--trainer.val_check_interval", str(VAL_EVERY),
-       "--trainer.log_every_n_steps", str(LOG_EVERY)]
-WITH_PEAK = ["--trainer.callbacks+=callbacks.MFUMonitor", "--trainer.callbacks.peak_flops_per_s=1e12"]
 PROMPT = "Once upon a time"
-
-
-def _train(cwd: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr + done.stdout  # the summary ends stdout
+RUN = ["--max_steps", str(STEPS), "--trainer.val_check_interval", str(VAL_EVERY), "--trainer.log_every_n_steps",
+       str(LOG_EVERY), "--data.val_batches", "2", "--model.sample_prompt", PROMPT, "--model.sample_tokens", "8"]
+WITH_PEAK = ["--trainer.callbacks+=callbacks.MFUMonitor", "--trainer.callbacks.peak_flops_per_s=1e12"]
+TOKENS_PER_STEP = 2 * 16  # tests/conftest.py's TINY: batch 2, context 16
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory) -> tuple[Path, list[str]]:
-    """The folder two runs of train.py ran in, and their consoles: the first on a CPU's unknown peak, the second
-    with a peak to measure MFU against."""
+def two_runs(tmp_path_factory, train_py) -> tuple[Path, list[str]]:
+    """The folder two runs of train.py ran in, and their consoles (stderr, then stdout, which the summary ends): the
+    first on a CPU's unknown peak, the second with a peak to measure MFU against."""
     cwd = tmp_path_factory.mktemp("runs")
-    return cwd, [_train(cwd, *RUN), _train(cwd, *RUN, *WITH_PEAK)]
+    consoles = []
+    for extra in ([], WITH_PEAK):
+        done = train_py.run_ok(*train_py.tiny, *RUN, *extra, cwd=cwd)
+        consoles.append(done.stderr + done.stdout)
+    return cwd, consoles
 
 
 def _events(cwd: Path, version: int) -> EventAccumulator:
@@ -57,8 +51,7 @@ def test_the_console_is_quiet_and_explains_its_numbers(two_runs):
     _, (first, second) = two_runs
     for untelling in ("GPU available", "TPU available", "FLOPs", "model summary", "`Trainer.fit` stopped", "v_num"):
         assert untelling not in first + second, untelling
-    assert "the BPE stopped at 400 tokens" not in first  # 400 reached on this corpus; a shortfall is explained
-    assert re.search(r"TransformerLM tiny: [\d.]+M parameters at vocab 400,.*training on cpu in 32-true", first)
+    assert re.search(r"TransformerLM tiny: [\d.]+M parameters at vocab 300,.*training on cpu in 32-true", first)
 
 
 @pytest.mark.slow
@@ -68,7 +61,7 @@ def test_the_summary_names_this_run_and_how_to_open_it(two_runs):
         summary = _summary(console)
         assert summary["finished"].startswith(f"{STEPS} steps in ")
         assert re.fullmatch(r"train \d+\.\d{3}, validation \d+\.\d{3}", summary["loss"])
-        assert summary["tokens"] == f"{STEPS * 4 * 32:,} ({4 * 32} a step)"
+        assert summary["tokens"] == f"{STEPS * TOKENS_PER_STEP:,} ({TOKENS_PER_STEP} a step)"
         checkpoint = f"logs/lm_systems/version_{version}/checkpoints/last.ckpt"
         assert summary["checkpoint"] == checkpoint and (cwd / checkpoint).is_file()
         assert summary["logs"] == f"logs/lm_systems/version_{version} (TensorBoard run lm_systems/version_{version})"
@@ -84,11 +77,13 @@ def _readme_line(start: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_readmes_commands_open_the_newest_run(two_runs):
+def test_the_readmes_commands_open_the_newest_run(two_runs, train_py):
     cwd, _ = two_runs
     generate = _readme_line("python -m lm_systems.generate")
-    done = subprocess.run(shlex.split(generate), cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    python, *args = shlex.split(generate)
+    assert python == "python"
+    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env=train_py.environment())
     assert done.returncode == 0, done.stderr
     assert "version_1" in done.stderr and PROMPT in done.stdout
     logdir = _readme_line("tensorboard --logdir").split()[2]
@@ -130,8 +125,8 @@ def test_hyperparameters_are_shown_against_validation_loss(two_runs):
     assert [metric.name.tag for metric in experiment.metric_infos] == ["val/loss"]
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
     hparams = {key: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind")) for key, value in start.hparams.items()}
-    assert hparams["size"] == "tiny" and hparams["vocab_size"] == 400 and hparams["d_model"] == 64  # resolved
-    assert hparams["max_steps"] == STEPS and hparams["tokens_per_step"] == 4 * 32 and hparams["parameters"] > 0
+    assert hparams["size"] == "tiny" and hparams["vocab_size"] == 300 and hparams["d_model"] == 32  # resolved
+    assert hparams["max_steps"] == STEPS and hparams["tokens_per_step"] == TOKENS_PER_STEP and hparams["parameters"] > 0
 
 
 @pytest.mark.slow
