@@ -1,5 +1,5 @@
 """The training progress bars: Lightning's rich and tqdm bars, counting to ``max_steps`` also after a resume, and
-showing the last logged training loss without waiting for the GPU."""
+showing the last logged training loss without waiting for the GPU (and not the logger's version number)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ class _StepsBar(ProgressBar):
     @override
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Union[int, str, float, dict[str, float]]]:
         """Lightning's bar metrics plus the last *logged* training loss: values logged with ``prog_bar=True``
-        are read from the GPU after every batch (a host sync per step); logged ones were read once, when logged."""
+        are read from the GPU after every batch (a host sync per step); logged ones were read once, when logged.
+        Without Lightning's ``v_num``: a bare number beside the losses; the run's summary names its folder."""
         metrics: dict[str, Any] = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
         for name in SHOWN_LOGGED_METRICS:
             value = trainer.logged_metrics.get(name)
             if value is not None:

@@ -26,30 +26,47 @@ def tokens_in_batch(batch: torch.Tensor) -> int:
     return batch.size(0) * (batch.size(1) - 1)
 
 
-class _ForwardOnlyThroughput(Throughput):
-    """Counts a third of the reported FLOPs: evaluation runs the forward pass only (2N of the 6N per token)."""
+class _TokensAndMFU(Throughput):
+    """Lightning's Throughput reporting two of its numbers, under names that say what they are: ``tokens_per_sec``
+    (all devices together) and ``mfu`` (where the peak is known). Its others are these scaled (batches, samples
+    and FLOP/s per second) or running counts that the step axis already shows."""
 
-    def update(self, *, flops: float | None = None, **counts: Any) -> None:
-        super().update(flops=None if flops is None else flops / 3, **counts)
+    @override
+    def compute(self) -> dict[str, float]:
+        metrics = super().compute()
+        per_device = f"device{self.separator}"
+        tokens_per_sec = metrics.get("items_per_sec", metrics.get(f"{per_device}items_per_sec"))
+        mfu = metrics.get(f"{per_device}mfu")
+        return {name: value for name, value in (("tokens_per_sec", tokens_per_sec), ("mfu", mfu)) if value is not None}
+
+
+class _Unlogged(Throughput):
+    """Validation, timed so that ThroughputMonitor takes its time out of training's, but not logged: Lightning logs
+    it against a count of validation batches, not the training steps every other chart has."""
+
+    @override
+    def compute(self) -> dict[str, float]:
+        return {}
 
 
 class MFUMonitor(ThroughputMonitor):
-    """Logs tokens/s (``train/device/items_per_sec``) and MFU (``train/device/mfu``) every logged step.
+    """Logs training tokens/s (``train/tokens_per_sec``, all devices) and MFU (``train/mfu``) every logged step.
 
     Lightning's ``ThroughputMonitor`` does the bookkeeping: a rolling window of times, and the
     LightningModule's ``flops_per_batch`` (``LitLM`` sets it from ``TransformerLM.flops_per_token``).
     Lightning's waits for the GPU after every training batch to read its clock; this one counts the
     batches in between and reads the clock (after one device synchronisation) only on logged steps, so
-    the host keeps running ahead of the GPU. The window is then one of logged steps.
+    the host keeps running ahead of the GPU. The window is then one of logged steps; time spent validating
+    is left out.
     This subclass counts tokens from the (B, T + 1) batches and takes the peak FLOP/s from
     ``lm_systems.hardware`` (dense rates; Lightning's table has the H200's sparse ones), for the
     precision the trainer runs in: bf16 peak under ``bf16-mixed``, fp32 (or TF32) under ``32-true``.
-    Validation throughput (``validate/...``) counts a third of ``flops_per_batch``: forward only.
+    Without a known peak (a CPU, an unlisted GPU) there is no MFU; ``available_flops`` is then None.
     """
 
     def __init__(self, window_size: int = 4, peak_flops_per_s: float | None = None) -> None:
-        """``window_size``: logged training steps (validation: batches) in the rolling average; MFU appears
-        once the window is full;
+        """``window_size``: logged training steps in the rolling average; tokens/s and MFU appear once the window
+        is full;
         ``peak_flops_per_s``: override the device's peak, for a GPU missing from ``lm_systems.hardware``.
         """
         if window_size < 2:
@@ -68,14 +85,11 @@ class MFUMonitor(ThroughputMonitor):
                 f"MFUMonitor knows no peak FLOP/s for {torch.cuda.get_device_name(device)!r} in {dtype}: "
                 "set the callback's peak_flops_per_s to log MFU"
             )
-        for stage_key, throughput in list(self._throughputs.items()):
-            if stage_key == RunningStage.TRAINING:
-                throughput.available_flops = self.available_flops
-            else:
-                # ``flops_per_batch`` counts a training step; evaluation batches do the forward third.
-                self._throughputs[stage_key] = _ForwardOnlyThroughput(
-                    available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs
-                )
+        for stage_key in list(self._throughputs):
+            kind = _TokensAndMFU if stage_key == RunningStage.TRAINING else _Unlogged
+            self._throughputs[stage_key] = kind(
+                available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs
+            )
 
     @override
     @rank_zero_only

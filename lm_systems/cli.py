@@ -9,9 +9,9 @@ import typing
 import warnings
 from typing import Any, Optional, Union
 
-from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, ProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -30,6 +30,7 @@ from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
 from lm_systems.resume import RunConfigRecord, SavedSettings
 from lm_systems.run_logger import run_version_of
+from lm_systems.run_summary import RunSummary
 from lm_systems.strategy_flags import strategy_names_as_classes
 
 
@@ -46,11 +47,12 @@ SHORT_FLAGS: dict[str, tuple[type, str]] = {
 
 TRAINER_DEFAULTS = {
     "max_steps": 300,
-    "val_check_interval": 50,
+    "val_check_interval": 20,  # 15 validation points: fewer read as a line under TensorBoard's smoothing
     "check_val_every_n_epoch": None,  # the training stream is endless: validate by steps
     "log_every_n_steps": 10,
     "gradient_clip_val": 1.0,
     "devices": 1,
+    "enable_model_summary": False,  # its FLOPs column reads 0 and it warns under bf16; LitLM's line has the size
     "logger": {
         "class_path": "lm_systems.run_logger.RunLogger",
         "init_args": {"save_dir": "logs", "name": "lm_systems", "default_hp_metric": False},
@@ -82,6 +84,15 @@ class LMArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Optional[Exception] = None) -> Any:
         super().error(one_line(message), ex)
+
+
+class RunConfigFile(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` in the run's log folder; none without a logger (``--trainer.logger false``),
+    where Lightning wrote it into the working directory (each checkpoint keeps the run's settings anyway)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if trainer.logger is not None:
+            super().setup(trainer, pl_module, stage)
 
 
 class LMCLI(LightningCLI):
@@ -159,9 +170,8 @@ class LMCLI(LightningCLI):
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
-        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(self._subcommand_config())]
-        if trainer_config.get("logger") is not False:
-            defaults.append(LearningRateMonitor(logging_interval="step"))
+        # After the progress bar: the summary prints once the bar has stopped.
+        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(self._subcommand_config()), RunSummary()]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
 
@@ -240,11 +250,21 @@ def check_trainer_choices(trainer: Any) -> None:
                          "such as '0,1'")
 
 
+_UNTELLING_LINES = (
+    "💡 Tip",  # advertising
+    "GPU available:", "TPU available:", "HPU available:",  # the model's line says where it trains
+    "`Trainer.fit` stopped:",  # printed onto the bar's line; the run's summary says how many steps ran
+)
+
+
 def _quiet_lightning() -> None:
-    """Drop Lightning's advertising tip and a deprecation warning that Lightning raises against newer torch."""
+    """Drop Lightning's lines that tell a person nothing ours do not (``_UNTELLING_LINES``), a warning about the
+    validation windows' length (they share their batches out among workers) and a deprecation warning that Lightning
+    raises against newer torch."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: not str(record.msg).startswith("💡 Tip")
+        lambda record: not str(record.msg).startswith(_UNTELLING_LINES)
     )
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
@@ -269,6 +289,7 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
             parser_class=LMArgumentParser,
             trainer_defaults=TRAINER_DEFAULTS,
             seed_everything_default=1234,
+            save_config_callback=RunConfigFile,
             save_config_kwargs={"overwrite": True},
             args=args,
             run=run,

@@ -1,6 +1,7 @@
 """Sample text from a training checkpoint (the sampling itself is lm_systems.sampling's).
 
-    python -m lm_systems.generate --ckpt logs/.../checkpoints/last.ckpt --prompt "Once upon a time"
+    python -m lm_systems.generate --ckpt last --prompt "Once upon a time"    # the newest run's last.ckpt
+    python -m lm_systems.generate --ckpt logs/lm_systems/version_3/checkpoints/step=300.ckpt
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -42,6 +44,24 @@ def require_checkpoint_file(path: str | Path, flag: str) -> Path:
     if not complete:
         raise ValueError(f"{flag} {str(path)!r} is not a readable PyTorch checkpoint (truncated, or not written by torch.save)")
     return path
+
+
+NEWEST = "last"
+"""``--ckpt last``: the newest ``last.ckpt`` among the runs under ``./logs``."""
+RUN_CHECKPOINTS = "logs/*/version_*/checkpoints/last.ckpt"
+"""Where train.py's runs keep their ``last.ckpt``, relative to the folder it ran in."""
+
+
+def newest_run_checkpoint(root: str | Path = ".") -> Path:
+    """The ``last.ckpt`` written most recently among ``root``'s runs (``RUN_CHECKPOINTS``); an error naming --ckpt
+    if there is none."""
+    found = [path for path in Path(root).glob(RUN_CHECKPOINTS) if path.exists()]  # exists: the link's file too
+    if not found:
+        raise FileNotFoundError(
+            f"--ckpt {NEWEST}: no run checkpoint ({RUN_CHECKPOINTS}) under {str(Path(root).absolute())!r}: run this "
+            "from the folder train.py ran in, or pass a checkpoint's path"
+        )
+    return max(found, key=lambda path: path.stat().st_mtime)
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
@@ -101,7 +121,8 @@ def _check_device(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
-    parser.add_argument("--ckpt", required=True, default=argparse.SUPPRESS, help="checkpoint written by train.py")
+    parser.add_argument("--ckpt", required=True, default=argparse.SUPPRESS,
+                        help=f"checkpoint written by train.py, or {NEWEST!r}: the newest {RUN_CHECKPOINTS}")
     parser.add_argument("--prompt", default="Once upon a time", help="text to continue (not empty)")
     parser.add_argument("--max_new_tokens", type=_number(int, 1), default=100, help="tokens to add at most")
     parser.add_argument("--temperature", type=_number(float, 0), default=0.8, help="0 means greedy")
@@ -120,7 +141,11 @@ def main(argv: list[str] | None = None) -> None:
 
     with reported_errors():
         try:
-            model, tokenizer = load_checkpoint(args.ckpt, device=args.device)
+            ckpt = args.ckpt
+            if ckpt == NEWEST and not Path(ckpt).exists():
+                ckpt = newest_run_checkpoint()
+                print(f"checkpoint: {ckpt}", file=sys.stderr)
+            model, tokenizer = load_checkpoint(ckpt, device=args.device)
         except (ValueError, OSError) as error:  # the message names --ckpt; a traceback would bury it
             parser.error(str(error))
         generator = torch.Generator().manual_seed(args.seed)

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
@@ -18,6 +19,7 @@ from lm_systems.errors import InputError
 from lm_systems.model import TransformerLM
 from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy, divergence_advice
 from lm_systems.optim import adamw_param_groups, make_adamw
+from lm_systems.run_logger import log_text
 from lm_systems.sampling import sample_text
 from lm_systems.schedule import warmup_cosine
 
@@ -50,8 +52,9 @@ class LitLM(L.LightningModule):
             own across processes, where the data-parallel strategies overlap each block's gradient communication
             with the rest of backward (a whole compiled model hands every gradient over at its end). "blocks"
             or "model" choose either everywhere ("blocks" compiles one block's graph: faster to start).
-        sample_prompt: prompt of the sample printed after training ('' skips it).
-        sample_tokens: length of that sample.
+        sample_prompt: prompt of the sample printed after training, and logged as text (TensorBoard's TEXT tab)
+            then and at each validation ('' skips them).
+        sample_tokens: length of those samples.
         on_nonfinite: what a non-finite loss or gradient norm does: "stop" ends the run with an error (the
             weights are no longer usable; no checkpoint of them is written), "skip" drops that step's update.
             Checked without a host sync, every ``log_every_n_steps`` and before each checkpoint.
@@ -82,7 +85,7 @@ class LitLM(L.LightningModule):
         max_consecutive_skips: int = 10,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(logger=False)  # logged in on_fit_start, resolved and with the run's shape
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:
             raise ValueError(
                 "need model.lr > 0, 0 <= model.min_lr_ratio <= 1 and model.warmup_steps >= 0, got "
@@ -101,6 +104,8 @@ class LitLM(L.LightningModule):
         self._nonfinite = NonFiniteGuard(on_nonfinite, max_consecutive_skips)
         self._last_loss: torch.Tensor | None = None
         self._optimizer_settings: list[dict[str, Any]] | None = None  # from configure_optimizers
+        self._sample: tuple[int, str] | None = None  # (global step, text) of the last sample taken
+        self._num_parameters: int | None = None  # counted in configure_model
 
     @property
     def config(self) -> ModelConfig:
@@ -154,10 +159,12 @@ class LitLM(L.LightningModule):
         batch_size, data_context = self._data_shape
         if batch_size and data_context:
             self.flops_per_batch = self.model.flops_per_token(data_context) * batch_size * data_context
+        self._num_parameters = self.model.num_parameters()  # whole: a sharding strategy has not split them yet
         rank_zero_info(
-            f"TransformerLM {self.hparams.size}: {self.model.num_parameters() / 1e6:.2f}M parameters, "
-            f"{self.model.flops_per_token(data_context) / 1e6:.1f} MFLOP/token (training), "
-            f"attention={describe_attention(self.config.attention, self.hparams.compile)}"
+            f"TransformerLM {self.hparams.size}: {self._num_parameters / 1e6:.2f}M parameters at vocab "
+            f"{self.config.vocab_size}, {self.model.flops_per_token(data_context) / 1e6:.1f} MFLOP/token (training), "
+            f"attention={describe_attention(self.config.attention, self.hparams.compile)}; training on "
+            f"{_devices(self.trainer)} in {self.trainer.precision}"
         )
 
     def _compile_model(self) -> None:
@@ -169,6 +176,24 @@ class LitLM(L.LightningModule):
             self.model.compile_blocks()
         else:
             self.model.compile()
+
+    def on_fit_start(self) -> None:
+        if self.logger is not None:
+            self.logger.log_hyperparams(self._run_hyperparameters())
+
+    def _run_hyperparameters(self) -> dict[str, Any]:
+        """What TensorBoard's HPARAMS tab compares runs by: this module's training settings with the model's shape
+        resolved (the vocabulary the tokenizer gave), its size, and the batches and steps it trains on."""
+        trainer, (batch_size, context) = self.trainer, self._data_shape or (None, None)
+        # Not LightningCLI's _instantiator, nor the sample's settings, which change nothing trained.
+        settings = {k: v for k, v in self.hparams.items() if not k.startswith(("_", "sample_"))}
+        per_batch = batch_size * context if batch_size and context else None
+        tokens = per_batch * trainer.world_size * trainer.accumulate_grad_batches if per_batch else None
+        return {
+            **settings, **asdict(self.config), "parameters": self._num_parameters, "batch_size": batch_size,
+            "tokens_per_step": tokens, "max_steps": trainer.max_steps, "precision": trainer.precision,
+            "devices": trainer.world_size, "strategy": type(trainer.strategy).__name__,
+        }
 
     def configure_optimizers(self) -> dict[str, Any]:
         # Fused AdamW on CUDA, in every precision: configure_gradient_clipping unscales for it under 16-mixed.
@@ -183,8 +208,7 @@ class LitLM(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, warmup, decay_steps, min_ratio)
         )
-        # The name is the tag LearningRateMonitor logs the rate under.
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_start(self) -> None:
         if self.trainer.ckpt_path is not None and self._optimizer_settings is not None:
@@ -219,6 +243,8 @@ class LitLM(L.LightningModule):
         if self._logs_this_step():
             self.log("train/loss", loss)
             self.log("train/perplexity", loss.detach().exp())
+            # One rate: both parameter groups follow the same schedule (LearningRateMonitor drew a curve for each).
+            self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
         return loss
 
     def _logs_this_step(self) -> bool:
@@ -253,7 +279,8 @@ class LitLM(L.LightningModule):
             self._skip_update_if(bad, optimizer)
         if log_now and grad_norm is not None:
             self.log("train/grad_norm", grad_norm)
-            self.log("train/skipped_steps", self._nonfinite.skipped_steps.float())
+            if self._nonfinite.policy == "skip":  # under "stop" it would always read 0: the run stops instead
+                self.log("train/skipped_steps", self._nonfinite.skipped_steps.float())
 
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients to a global norm of at most ``max_norm``; the norm before clipping."""
@@ -297,6 +324,8 @@ class LitLM(L.LightningModule):
         # Already equal on every rank; sync_dist only tells Lightning so (one tiny all-reduce per validation).
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/perplexity", loss.exp(), sync_dist=True)
+        if self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking:
+            self._take_sample()
 
     # -- checkpoints and the closing sample --------------------------------------------------
 
@@ -316,17 +345,35 @@ class LitLM(L.LightningModule):
 
     def on_train_end(self) -> None:
         self._nonfinite.check(self._nonfinite_advice())
+        # Here, not in on_fit_end: the model is still on the training device (Lightning moves it to the CPU
+        # before on_fit_end, where the Triton kernels cannot run).
+        if self._sample is None or self._sample[0] != self.trainer.global_step:  # else the last validation's
+            self._take_sample()
+        if self._sample is not None and self.trainer.is_global_zero:
+            print(f"\nSample after {self.trainer.global_step} steps:\n{self._sample[1]}\n", flush=True)
+
+    def _take_sample(self) -> None:
+        """Continue ``sample_prompt`` (the same draws each time, so samples differ by the weights alone) and log
+        it as text at the step the run's metrics are logged at now."""
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
         if not self.hparams.sample_prompt or tokenizer is None:
             return
-        # Here, not in on_fit_end: the model is still on the training device (Lightning moves it to the CPU
-        # before on_fit_end, where the Triton kernels cannot run). Every rank samples the same tokens, so a
-        # sharding container's gathers find all ranks; a compiled model runs eagerly, as each new length
-        # would recompile it.
+        # Every rank samples the same tokens, so a sharding container's gathers find all ranks; a compiled model
+        # runs eagerly, as each new length would recompile it.
         with torch.compiler.set_stance("force_eager"):
             text = sample_text(
                 self.model, tokenizer, self.hparams.sample_prompt, max_new_tokens=self.hparams.sample_tokens,
                 generator=torch.Generator().manual_seed(0),
             )
-        if self.trainer.is_global_zero:
-            print(f"\nSample after {self.trainer.global_step} steps:\n{text}\n", flush=True)
+        self._sample = (self.trainer.global_step, text)
+        prompt = self.hparams.sample_prompt
+        shown = f"**{prompt}**{text[len(prompt):]}" if text.startswith(prompt) else text
+        # Lightning logs a step's metrics at its 0-based index: the last finished step's is global_step - 1.
+        log_text(self.logger, "sample", shown, self.trainer.global_step - 1)
+
+
+def _devices(trainer: L.Trainer) -> str:
+    """Where ``trainer`` runs, as "cpu" or "2 × NVIDIA H100 80GB HBM3"."""
+    device = trainer.strategy.root_device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{trainer.world_size} × {name}" if trainer.world_size > 1 else name

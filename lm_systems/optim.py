@@ -17,7 +17,7 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                 continue
             is_norm_or_embedding = isinstance(module, (RMSNorm, nn.Embedding))
             (no_decay if is_norm_or_embedding or param.ndim < 2 else decay).append(param)
-    # The names label the groups' learning rates in LearningRateMonitor's tags (train/lr/decay, ...).
+    # The names label the groups in the optimizer's state (and in checkpoints); their learning rates are the same.
     return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 

@@ -9,7 +9,7 @@ import torch
 
 from lm_systems.checkpoint_io import SafeCheckpointIO
 from lm_systems.data.datamodule import LMDataModule
-from lm_systems.generate import load_checkpoint, main
+from lm_systems.generate import load_checkpoint, main, newest_run_checkpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.sampling import sample_text
 
@@ -124,3 +124,31 @@ def test_help_shows_the_defaults(capsys):
     assert exit_.value.code == 0
     for default in ("(default: 100)", "(default: 0.8)", "(default: 0.9)", "(default: Once upon a time)"):
         assert default in out, out
+
+
+def test_last_takes_the_newest_runs_checkpoint(trained, tmp_path, monkeypatch, capsys):
+    """``--ckpt last`` after several runs samples the newest, not version_0 (the README's line hard-coded it)."""
+    _, _, path = trained
+    runs = tmp_path / "logs" / "lm_systems"
+    for version, mtime in ((0, 2_000_000_000), (1, 1_000_000_000), (2, 1_500_000_000)):  # version_0 resumed last
+        folder = runs / f"version_{version}" / "checkpoints"
+        folder.mkdir(parents=True)
+        (folder / "step=3.ckpt").write_bytes(path.read_bytes())
+        os.utime(folder / "step=3.ckpt", (mtime, mtime))
+        (folder / "last.ckpt").symlink_to("step=3.ckpt")
+    (runs / "version_3" / "checkpoints").mkdir(parents=True)
+    (runs / "version_3" / "checkpoints" / "last.ckpt").symlink_to("gone.ckpt")  # a dangling link is skipped
+    monkeypatch.chdir(tmp_path)
+    assert newest_run_checkpoint() == Path("logs/lm_systems/version_0/checkpoints/last.ckpt")
+    main(["--ckpt", "last", "--max_new_tokens", "2", "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert "checkpoint: logs/lm_systems/version_0/checkpoints/last.ckpt" in captured.err
+    assert "--- sample 1 ---" in captured.out
+
+
+def test_last_without_runs_names_the_flag(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ckpt", "last"])
+    assert exit_.value.code == 2
+    assert "--ckpt last: no run checkpoint" in capsys.readouterr().err

@@ -242,9 +242,15 @@ class LMDataModule(L.LightningDataModule):
                 return load_tokenizer(path)
             warnings.warn(f"the cached tokenizer is damaged: {problem}; training it again", stacklevel=2)
         train_split = corpus.get()["train"]
-        rank_zero_info(f"training a byte-level BPE (target {self.target_vocab_size} tokens) on {self.corpus!r}")
+        rank_zero_info(f"training a byte-level BPE of up to {self.target_vocab_size} tokens (--data.vocab_size) on "
+                       f"{self.corpus!r}")
         texts = iter_texts(train_split, TOKENIZER_TRAINING_CHARS)
         tokenizer = train_bpe_tokenizer(texts, self.target_vocab_size)
+        if tokenizer.get_vocab_size() < self.target_vocab_size:
+            rank_zero_info(
+                f"the BPE stopped at {tokenizer.get_vocab_size()} tokens: every word that occurs twice in "
+                f"{self.corpus!r} is one token already, so no merge is left to learn"
+            )
         save_tokenizer(tokenizer, path)
         return tokenizer
 

@@ -125,15 +125,14 @@ class ValidationWindows(IterableDataset):
         self.window = context_length + 1
         self.batch_size = batch_size
 
-    # No __len__: Lightning warns about any iterable dataset that has one, even though this one shards
-    # its batches across workers correctly.
-    @property
-    def num_batches(self) -> int:
+    def __len__(self) -> int:
+        """Batches on this rank: without a length, Lightning's validation bar read "0/?". (Lightning warns about
+        any iterable dataset with one, for workers that would each yield everything; these share the batches out.)"""
         return math.ceil(len(self.starts) / self.batch_size)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         tokens = np.load(self.tokens_path, mmap_mode="r")
         worker, num_workers = _worker_shard()
-        for batch_index in range(worker, self.num_batches, num_workers):
+        for batch_index in range(worker, len(self), num_workers):
             starts = self.starts[batch_index * self.batch_size : (batch_index + 1) * self.batch_size]
             yield checked_ids(gather_windows(tokens, starts, self.window), self.vocab_size, self.tokens_path)

@@ -42,8 +42,8 @@ def test_litlm_trains_with_every_profiling_callback(tmp_path):
     assert 0 < parts <= phases["step"]["mean_ms"]
 
     with open(Path(trainer.log_dir, "metrics.csv")) as f:
-        logged = [row for row in csv.DictReader(f) if row.get("train/device/mfu")]
+        logged = [row for row in csv.DictReader(f) if row.get("train/mfu")]
     assert logged, "MFU was never logged"
-    tokens_per_s, mfu = float(logged[-1]["train/device/items_per_sec"]), float(logged[-1]["train/device/mfu"])
+    tokens_per_s, mfu = float(logged[-1]["train/tokens_per_sec"]), float(logged[-1]["train/mfu"])
     flops_per_token = module.flops_per_batch / (2 * 24)  # LitLM's flops_per_batch: flops_per_token × B × T
     assert mfu == pytest.approx(tokens_per_s * flops_per_token / 1e12)

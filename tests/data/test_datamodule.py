@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from types import SimpleNamespace
 
 import lightning.pytorch as L
@@ -191,3 +192,18 @@ def test_two_processes_train_on_different_windows_and_split_validation(tmp_path)
     together = sorted(row for rank in ranks for batch in rank["val"] for row in batch.tolist())
     alone = sorted(row for batch in generated(tmp_path, val_batches=4).val_dataloader() for row in batch.tolist())
     assert together == alone
+
+
+def test_a_tokenizer_short_of_the_asked_vocabulary_says_why(tmp_path, caplog, monkeypatch):
+    """The run printed `vocab 1004` after asking for 10000, unexplained."""
+    lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # Lightning's loggers do not propagate
+    monkeypatch.setattr(lightning_info, "handlers", [*lightning_info.handlers, caplog.handler])
+    caplog.set_level(logging.INFO, logger=lightning_info.name)
+    module = generated(tmp_path, vocab_size=10_000)
+    assert module.vocab_size < 10_000
+    said = [record.getMessage() for record in caplog.records]
+    assert f"the BPE stopped at {module.vocab_size} tokens: every word that occurs twice in 'generated' is one token " \
+           "already, so no merge is left to learn" in said
+    caplog.clear()
+    assert generated(tmp_path / "other", vocab_size=300).vocab_size == 300  # reached: nothing to explain
+    assert not [message for message in (r.getMessage() for r in caplog.records) if "stopped" in message]

@@ -111,6 +111,6 @@ def test_validation_windows_with_workers_match_without(tmp_path):
     dataset = ValidationWindows(path, validation_window_starts(500, 8, 60, 1), 8, batch_size=7, rank=0, world_size=1)
     serial = list(dataset)
     parallel = list(DataLoader(dataset, batch_size=None, num_workers=2))
-    assert len(serial) == len(parallel) == dataset.num_batches == 9
+    assert len(serial) == len(parallel) == len(dataset) == 9
     for a, b in zip(serial, parallel):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
