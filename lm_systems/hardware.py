@@ -1,6 +1,6 @@
 """Peak dense FLOP/s of the GPUs we measure on: the denominator of every MFU figure in the project.
 
-Shared by ``callbacks.MFUMonitor`` and ``python -m lm_systems.bench.model`` so both report the same MFU.
+Shared by ``callbacks.MFUMonitor`` and ``python -m benchmarks.model`` so both report the same MFU.
 Lightning's own table (``lightning.fabric.utilities.throughput``) lists the H200's tensor-core rates
 *with* 2:4 sparsity (2.0e15 bf16), which would halve every MFU on that chip; these are the dense rates.
 """

@@ -10,7 +10,7 @@ import torch
 
 from lm_systems.attention import registry
 from lm_systems.attention.naive import naive_attention
-from lm_systems.bench import train as bench
+from benchmarks import train as bench
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.lit_module import LitLM
 

@@ -1,4 +1,4 @@
-"""All-reduce bandwidth: ``python -m lm_systems.bench.comm --backend nccl --nproc 2``.
+"""All-reduce bandwidth: ``python -m benchmarks.comm --backend nccl --nproc 2``.
 
 Spawns ``--nproc`` processes (torch.multiprocessing, no torchrun), one per GPU with NCCL or on the CPU
 with gloo, and all-reduces float32 tensors of each size. Time is the median over ``--iters`` calls
@@ -20,9 +20,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from lm_systems.bench.device import timed
-from lm_systems.bench.ranks import spawn_ranks
-from lm_systems.bench.report import argument_parser, line_plot, write_results
+from benchmarks.device import timed
+from benchmarks.ranks import spawn_ranks
+from benchmarks.report import argument_parser, line_plot, write_results
 
 MB = 1_000_000
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}

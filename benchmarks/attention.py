@@ -1,4 +1,4 @@
-"""Causal attention benchmarks (CUDA): ``python -m lm_systems.bench.attention --mode {headline,flash}``.
+"""Causal attention benchmarks (CUDA): ``python -m benchmarks.attention --mode {headline,flash}``.
 
 - ``headline``: B1 H16 N16384 bf16, d 64 and 128: ``torch.compile(FlashAttention2Triton.apply)`` and
   flash_triton eager beside SDPA's flash and cuDNN backends, over interleaved rounds, as ratios; and
@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from lm_systems.bench.report import argument_parser, format_value, line_plot, write_results
+from benchmarks.report import argument_parser, format_value, line_plot, write_results
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flash-dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp32"])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("lm_systems.bench.attention times CUDA kernels: it needs a GPU")
+        raise SystemExit("benchmarks.attention times CUDA kernels: it needs a GPU")
     {"headline": headline, "flash": flash_sweep}[args.mode](args)
 
 

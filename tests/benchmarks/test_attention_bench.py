@@ -7,7 +7,7 @@ import csv
 import pytest
 import torch
 
-from lm_systems.bench import attention as bench
+from benchmarks import attention as bench
 
 
 @pytest.mark.parametrize("n_q, n_k", [(1, 1), (4, 4), (3, 7), (16, 64), (13, 13)])

@@ -1,4 +1,4 @@
-"""End-to-end timing and memory of the TransformerLM: ``python -m lm_systems.bench.model --help``.
+"""End-to-end timing and memory of the TransformerLM: ``python -m benchmarks.model --help``.
 
 Plain PyTorch (no Trainer) so every synchronisation is ours. For each model size × context length
 × mode × precision × warm-up count: ``warmup`` untimed steps, then ``steps`` steps each timed
@@ -7,10 +7,10 @@ between two device synchronisations, on random tokens. Reports mean ± std per s
 activation. One model per size and attention serves all of its cases; a configuration that runs out
 of GPU memory is a row marked OOM.
 
-    python -m lm_systems.bench.model                                  # all sizes × ctx 128..1024
-    python -m lm_systems.bench.model --sizes 2.7b --context-lengths 128 256 512 --modes forward train_step
-    python -m lm_systems.bench.model --sizes small --context-lengths 512 --warmup-steps 0 1 2 5 --isolate
-    python -m lm_systems.bench.model --sizes tiny --device cpu --steps 2   # a quick CPU check
+    python -m benchmarks.model                                  # all sizes × ctx 128..1024
+    python -m benchmarks.model --sizes 2.7b --context-lengths 128 256 512 --modes forward train_step
+    python -m benchmarks.model --sizes small --context-lengths 512 --warmup-steps 0 1 2 5 --isolate
+    python -m benchmarks.model --sizes tiny --device cpu --steps 2   # a quick CPU check
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from lm_systems.attention import attention_names, describe_attention
-from lm_systems.bench.device import add_device_arg, free_memory, peak_memory_gib, reset_peak_memory, timed
-from lm_systems.bench.report import argument_parser, line_plot, write_results
+from benchmarks.device import add_device_arg, free_memory, peak_memory_gib, reset_peak_memory, timed
+from benchmarks.report import argument_parser, line_plot, write_results
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.hardware import peak_flops
 from lm_systems.model import TransformerLM

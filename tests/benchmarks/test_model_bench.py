@@ -7,7 +7,7 @@ import csv
 import pytest
 import torch
 
-from lm_systems.bench import model as bench
+from benchmarks import model as bench
 from lm_systems.config import MODEL_SIZES
 
 # The tiny size with a small vocabulary and context keeps each step to milliseconds on two cores.

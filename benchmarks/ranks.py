@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lm_systems.bench.report import format_value
+from benchmarks.report import format_value
 from lm_systems.parallel.ports import free_port
 
 TIMEOUT = timedelta(minutes=10)  # of every collective: a rank that stops ends the others' wait

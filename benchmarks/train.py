@@ -1,4 +1,4 @@
-"""Training speed through train.py's own path against a plain PyTorch loop: ``python -m lm_systems.bench.train``.
+"""Training speed through train.py's own path against a plain PyTorch loop: ``python -m benchmarks.train``.
 
 Both train the same TransformerLM on the same LMDataModule batches, with the same fused AdamW, schedule,
 gradient clipping and precision. ``train.py``'s path is ``lm_systems.cli.main`` with the Trainer, LitLM,
@@ -19,9 +19,9 @@ own: the other's resident memory taken off), the ratio train.py / plain loop (me
 ratios, with their range), and each attention's plain step against the first's. It is rewritten after
 every segment, so that a run cut short keeps what it measured.
 
-    python -m lm_systems.bench.train                                       # xl: ctx 512 × 4, ctx 2048 × 1
-    python -m lm_systems.bench.train --shapes 2048x1 --attention sdpa flash_triton --compile on
-    python -m lm_systems.bench.train --size tiny --shapes 64x4 --rounds 2 --steps 3 --warmup 2 --device cpu  # CPU check
+    python -m benchmarks.train                                       # xl: ctx 512 × 4, ctx 2048 × 1
+    python -m benchmarks.train --shapes 2048x1 --attention sdpa flash_triton --compile on
+    python -m benchmarks.train --size tiny --shapes 64x4 --rounds 2 --steps 3 --warmup 2 --device cpu  # CPU check
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 
 from lm_systems.attention import attention_names
-from lm_systems.bench.device import (add_device_arg, allocated_gib, free_memory, peak_memory_gib, reset_peak_memory,
+from benchmarks.device import (add_device_arg, allocated_gib, free_memory, peak_memory_gib, reset_peak_memory,
                                      synchronize, timed)
-from lm_systems.bench.report import argument_parser, write_results
+from benchmarks.report import argument_parser, write_results
 from lm_systems.cli import main as train_py
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule

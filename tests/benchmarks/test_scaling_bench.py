@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from lm_systems.bench import scaling as bench
+from benchmarks import scaling as bench
 
 
 def test_setups_become_the_flags_a_user_types():

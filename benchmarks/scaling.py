@@ -1,4 +1,4 @@
-"""Data-parallel scaling through train.py: ``python -m lm_systems.bench.scaling --devices 2``.
+"""Data-parallel scaling through train.py: ``python -m benchmarks.scaling --devices 2``.
 
 Every setup is ``python train.py ...`` in processes of its own, exactly as a user launches it (Lightning
 starts the other ranks), with one more callback, ``WindowTimer``: after ``--warmup`` optimizer steps it
@@ -21,9 +21,9 @@ every configuration's setups in turn, ``single`` first, so a scaling is taken ag
 the same round (the lent GPUs' speed drifts by tens of percent within minutes). The table is rewritten
 after every run, so a call cut short keeps what it measured.
 
-    python -m lm_systems.bench.scaling --devices 2                                    # xl, the issue's two configs
-    python -m lm_systems.bench.scaling --configs 1024x8:compiled --setups single ddp:25 bucketed_ddp zero1
-    python -m lm_systems.bench.scaling --size tiny --configs 32x4:eager --accelerator cpu --warmup 2 --steps 2  # CPU
+    python -m benchmarks.scaling --devices 2                                    # xl, the issue's two configs
+    python -m benchmarks.scaling --configs 1024x8:compiled --setups single ddp:25 bucketed_ddp zero1
+    python -m benchmarks.scaling --size tiny --configs 32x4:eager --accelerator cpu --warmup 2 --steps 2  # CPU
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lm_systems.bench.report import argument_parser, write_results
+from benchmarks.report import argument_parser, write_results
 from lm_systems.config import MODEL_SIZES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -184,7 +184,7 @@ class Run:
 
 def train_py_command(config: Config, setup: Setup, args: argparse.Namespace, workdir: Path, timer_dir: Path) -> list[str]:
     """The user's command line for ``setup`` with the timer added (checkpoints, validation and sampling off)."""
-    timer = {"class_path": "lm_systems.bench.scaling.WindowTimer",
+    timer = {"class_path": "benchmarks.scaling.WindowTimer",
              "init_args": {"out_dir": str(timer_dir), "warmup": args.warmup, "steps": args.steps,
                            "segments": args.segments}}
     return [

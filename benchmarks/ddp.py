@@ -1,8 +1,8 @@
-"""Data-parallel training benchmark: ``python -m lm_systems.bench.ddp [--variants A,B,... | --pairs A:B,...]``.
+"""Data-parallel training benchmark: ``python -m benchmarks.ddp [--variants A,B,... | --pairs A:B,...]``.
 
 Trains a TransformerLM (default xl, batch 4 per rank, context 512, bf16 autocast, AdamW, fused on CUDA) in
 a plain PyTorch loop on ``--nproc`` spawned processes (no torchrun, no Trainer: the loop is the same for
-every variant of ``lm_systems.bench.ddp_variants``, so step times compare the gradient synchronisation alone).
+every variant of ``benchmarks.ddp_variants``, so step times compare the gradient synchronisation alone).
 
 ``--variants`` visits one variant at a time, interleaved round by round, a fresh model each visit: step
 time (median, slowest rank), the phases of separately synchronised steps, tokens/s, scaling efficiency
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from lm_systems.attention import attention_names
-from lm_systems.bench.ddp_variants import Run, Variant, build, checked_variant, make_step
-from lm_systems.bench.device import add_device_arg, free_memory, reset_peak_memory, synchronize, timed
-from lm_systems.bench.ranks import spawn_ranks
-from lm_systems.bench.report import argument_parser, bar_plot, write_results
+from benchmarks.ddp_variants import Run, Variant, build, checked_variant, make_step
+from benchmarks.device import add_device_arg, free_memory, reset_peak_memory, synchronize, timed
+from benchmarks.ranks import spawn_ranks
+from benchmarks.report import argument_parser, bar_plot, write_results
 from lm_systems.config import ModelConfig
 from lm_systems.parallel import gradient_process_group
 

@@ -5,8 +5,8 @@ import csv
 
 import pytest
 
-from lm_systems.bench import comm, ddp
-from lm_systems.bench.ddp_variants import Variant
+from benchmarks import comm, ddp
+from benchmarks.ddp_variants import Variant
 
 TINY = ["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device", "cpu",
         "--nproc", "2"]
