@@ -163,3 +163,19 @@ def test_location_and_clear(monkeypatch, tmp_path):
     assert cache.get(entry, [triton.Config({"B": 1}), triton.Config({"B": 2})]).kwargs == {"B": 2}
     assert cache.clear() == 1 and not list((tmp_path / "c").iterdir())
     assert TuningCache(tmp_path / "missing").clear() == 0
+
+
+def test_tune_command_clears_and_names_what_it_needs(tmp_path, tuning_cache_dir, capsys):
+    from lm_systems.attention import tune
+
+    cache = TuningCache(tuning_cache_dir)
+    entry = TuningCache.entry("k", "s", "cpu", (1,), [triton.Config({"B": 1}), triton.Config({"B": 2})])
+    cache.put(entry, triton.Config({"B": 1}), {})
+    tune.main(["--clear"])
+    assert f"deleted 1 tuned choices from {tuning_cache_dir}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tune.main([])  # nothing to do: the usage error names --seq
+    assert "--seq" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="on a GPU"):
+            tune.main(["--seq", "128"])
