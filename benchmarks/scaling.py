@@ -14,6 +14,7 @@ name with an optional bucket size, init args and environment variables:
     zero1:100+exchange_stages=1     bucket_size_mb 100, and --trainer.strategy.exchange_stages 1
     bucketed_ddp@NCCL_MAX_CTAS=8    with that environment variable set for the run
     single+--model.compile=blocks   an option that starts with -- is a train.py flag of that setup's
+    single+--model.attention=flash_triton   (with --devices 1 --baseline SPEC: one GPU, two train.py flags compared)
     fsdp2                   torch FSDP2 (fully_shard per block, bf16 parameters, fp32 gradient reduction)
 
 Configurations (``--configs``): ``CONTEXTxBATCH:compiled`` or ``:eager``, the batch per GPU. Rounds visit
@@ -24,6 +25,9 @@ after every run, so a call cut short keeps what it measured.
     python -m benchmarks.scaling --devices 2                                    # xl, the issue's two configs
     python -m benchmarks.scaling --configs 1024x8:compiled --setups single ddp:25 bucketed_ddp zero1
     python -m benchmarks.scaling --size tiny --configs 32x4:eager --accelerator cpu --warmup 2 --steps 2  # CPU
+    python -m benchmarks.scaling --devices 1 --size medium --configs 8192x2:compiled --name long_context \
+        --setups single+--model.attention=sdpa single+--model.attention=flash_triton \
+        --baseline single+--model.attention=sdpa --rounds 3       # long context: flash_triton against sdpa
 """
 
 from __future__ import annotations
@@ -228,16 +232,23 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
     return run
 
 
+def baseline_spec(args: argparse.Namespace) -> str | None:
+    """The setup over_baseline divides by: ``--baseline``, else torch DDP's (``ddp`` at 25 MB, or the first ``ddp``)."""
+    if args.baseline:
+        return args.baseline
+    return next((s.spec for s in args.setups if s.name == "ddp" and s.bucket_mb in (None, "25")),
+                next((s.spec for s in args.setups if s.name == "ddp"), None))
+
+
 def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
     """Per configuration and setup: the median over rounds of its step time, its scaling against the one-GPU step
-    of the same round, and its step time over torch DDP's (``ddp`` at 25 MB, or the first ``ddp`` setup)."""
+    of the same round, and its step time over the baseline's in the same round (``baseline_spec``)."""
     table = []
     configs = list(dict.fromkeys(run.config for run in runs))
+    base_spec = baseline_spec(args)
     for config in configs:
         visits = [run for run in runs if run.config == config]
         by_round = {(run.round, run.setup.spec): run for run in visits}
-        ddp_spec = next((s.spec for s in args.setups if s.name == "ddp" and s.bucket_mb in (None, "25")),
-                        next((s.spec for s in args.setups if s.name == "ddp"), None))
 
         def ratios(spec: str, base: str | None) -> list[float]:
             pairs = [(by_round.get((r, spec)), by_round.get((r, base))) for r in range(args.rounds)]
@@ -254,11 +265,11 @@ def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
             if done:
                 ms = statistics.median(run.ms for run in done)
                 scaling = [1 / ratio for ratio in ratios(setup.spec, "single")]
-                over_ddp = ratios(setup.spec, ddp_spec) if ddp_spec else []
+                over_base = ratios(setup.spec, base_spec) if base_spec else []
                 row.update(ms_per_step=ms, min_ms=min(run.ms for run in done), max_ms=max(run.ms for run in done),
                            tokens_per_s=devices * config.batch_size * config.context / ms * 1e3,
                            scaling=statistics.median(scaling) if scaling else "",
-                           over_ddp=statistics.median(over_ddp) if over_ddp else "",
+                           over_baseline=statistics.median(over_base) if over_base else "",
                            peak_GiB_per_rank=max(max(run.peak_GiB) for run in done))
             errors = [run.error for run in mine if run.error]
             row["error"] = errors[-1] if errors else ""
@@ -267,7 +278,7 @@ def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
 
 
 COLUMNS = ["config", "setup", "devices", "rounds", "ms_per_step", "min_ms", "max_ms", "tokens_per_s", "scaling",
-           "over_ddp", "peak_GiB_per_rank", "error"]
+           "over_baseline", "peak_GiB_per_rank", "error"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -282,6 +293,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                           "zero1", "zero3", "fsdp2")],
                         help="single, or strategy[:bucket_mb][+init_arg=value][@ENV=value] (default: single, ddp "
                              "at 25/100/1000 MB, bucketed_ddp, zero1, zero3, fsdp2)")
+    parser.add_argument("--baseline", help="the setup over_baseline divides by (default: ddp at 25 MB)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"))
@@ -299,6 +311,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     # The one-GPU step first in every round: each scaling is taken against the same round's.
     args.setups = sorted(dict.fromkeys(args.setups), key=lambda s: s.spec != "single")
+    if args.baseline and args.baseline not in [s.spec for s in args.setups]:
+        parser.error(f"--baseline {args.baseline!r} is not one of the --setups")
     return args
 
 
@@ -309,8 +323,9 @@ def main(argv: list[str] | None = None) -> None:
              f"clip {CLIP}; checkpoints, validation and the closing sample off); {args.warmup} warm-up steps, then "
              f"{args.segments} segments of {args.steps} steps, the device synchronised only between segments. "
              "ms_per_step: median over rounds of each visit's median segment (the slowest rank's); scaling: the "
-             "same round's one-GPU step over this one (median over rounds); over_ddp: this step over torch DDP's "
-             "(ddp at 25 MB) in the same round; peak_GiB_per_rank: the largest rank's allocator peak.")
+             "same round's one-GPU step over this one (median over rounds); over_baseline: this step over "
+             f"{baseline_spec(args) or 'the baseline'}'s in the same round (median over rounds); peak_GiB_per_rank: "
+             "the largest rank's allocator peak.")
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
         workdir = Path(tmp)
         for round_ in range(args.rounds):

@@ -20,7 +20,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from lm_systems.attention.flash_torch import check_attention_inputs
-from lm_systems.attention.flash_triton_autotune import attn_bwd_dkdv, attn_bwd_dq, attn_fwd, interpreting
+from lm_systems.attention.flash_triton_autotune import AUTOTUNED, TUNED, interpreting
 from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kernel
 from lm_systems.attention.registry import register_attention
 from lm_systems.attention.triton_launch import CachedLaunch
@@ -97,14 +97,16 @@ class _Kernels(NamedTuple):
     dq: Any
 
 
-# Eager calls launch each kernel through Triton once per launch key, then the compiled kernel directly
-# (CachedLaunch). Under torch.compile each pass is a ``triton_op`` whose kernels are wrapped with
-# ``wrap_triton``: Inductor sees the Triton kernels themselves, tunes each one once for the graph's shapes
-# (over the same pruned candidates) and launches them from its generated code, without the dispatcher round
-# trip or Triton's Python autotuner and launcher on every call.
-_TRITON_KERNELS = (attn_fwd, attn_bwd_preprocess_kernel, attn_bwd_dkdv, attn_bwd_dq)
-_EAGER_KERNELS = _Kernels(*(CachedLaunch(kernel) for kernel in _TRITON_KERNELS))
-_TRACED_KERNELS = _Kernels(*(wrap_triton(kernel) for kernel in _TRITON_KERNELS))
+# Eager calls launch each kernel through its TunedKernel once per launch key (its tile config tuned once per
+# machine), then the compiled kernel directly (CachedLaunch). Under torch.compile each pass is a ``triton_op``
+# whose ``triton.autotune`` kernels are wrapped with ``wrap_triton``: Inductor sees the Triton kernels themselves,
+# tunes each one once for the graph's shapes (over the same pruned candidates, or takes the choice stored on this
+# machine) and launches them from its generated code, without the dispatcher round trip or Triton's Python
+# autotuner and launcher on every call.
+_EAGER_KERNELS = _Kernels(*(CachedLaunch(kernel) for kernel in (
+    TUNED["fwd"], attn_bwd_preprocess_kernel, TUNED["dkdv"], TUNED["dq"])))
+_TRACED_KERNELS = _Kernels(*(wrap_triton(kernel) for kernel in (
+    AUTOTUNED["fwd"], attn_bwd_preprocess_kernel, AUTOTUNED["dkdv"], AUTOTUNED["dq"])))
 
 
 def _forward(

@@ -3,6 +3,9 @@
 Each kernel is tuned per (query-length bucket, key-length bucket, head dim, causal, dtypes). The
 buckets are the next power of two, so a training run with a fixed context tunes once and odd lengths
 share the tuning of their bucket. fp16 and bf16 are tuned; fp32 always takes the small last config.
+Eager calls tune through ``TunedKernel``, which keeps each choice on disk (``TuningCache``): a shape is
+tuned once per machine, not once per process. Under torch.compile Inductor tunes the ``triton.autotune``
+kernels over the same candidates, or takes the stored choice where there is one.
 Set ``LM_SYSTEMS_FLASH_AUTOTUNE=0`` to skip tuning and take each kernel's first candidate that fits
 (useful for tests over many shapes, where compiling every candidate costs more than the tests). Under ``TRITON_INTERPRET=1`` one small config is used: the interpreter runs
 on the CPU, where timing candidates means nothing, and small unequal tiles exercise the tile logic
@@ -12,12 +15,16 @@ on the CPU, where timing candidates means nothing, and small unequal tiles exerc
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
+from lm_systems.attention import flash_triton_backward, flash_triton_forward
 from lm_systems.attention.flash_triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from lm_systems.attention.flash_triton_forward import attn_fwd_kernel
+from lm_systems.attention.tuned_kernel import TunedKernel
+from lm_systems.data.cache_files import fingerprint
 
 AUTOTUNE_ENV = "LM_SYSTEMS_FLASH_AUTOTUNE"
 
@@ -65,51 +72,68 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
+def _fitting(kind: str, configs: list[triton.Config], args: dict) -> list[triton.Config]:
+    """The candidates of ``kind`` (fwd / dq / dkdv) that fit the arguments, in order of preference."""
+    if interpreting():
+        return [INTERPRETER_CONFIG[kind]]
+    head_dim_pad = args["HEAD_DIM_PAD"]
+    elem_bytes = args["Q"].element_size()
+    limit = triton.runtime.driver.active.utils.get_device_properties(args["Q"].device.index)["max_shared_mem"]
+    kept = []
+    for config in configs:
+        bm, bn, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
+        # Tiles longer than the (bucketed) sequence only add masked work.
+        if bm > max(args["N_Q_KEY"], 16) or bn > max(args["N_K_KEY"], 16):
+            continue
+        # Pipelined shared memory: two streamed tiles per stage (K, V or Q, dO) plus two resident ones.
+        streamed, resident = (bm, bn) if kind == "dkdv" else (bn, bm)
+        if (config.num_stages * 2 * streamed + 2 * resident) * head_dim_pad * elem_bytes > limit:
+            continue
+        # fp32 registers per thread for the accumulators and score tiles; far past 255 means spills.
+        live = {"fwd": bm * head_dim_pad + bm * bn, "dq": bm * head_dim_pad + 2 * bm * bn,
+                "dkdv": 2 * bn * head_dim_pad + 2 * bm * bn}[kind]
+        if live / (32 * warps) > 256:
+            continue
+        kept.append(config)
+    # fp32 products run as three tf32 passes, which compile slowly and need more shared memory than
+    # the estimate above: fp32 (a correctness path more than a speed path) takes the small last config.
+    if elem_bytes == 4 or not kept:
+        return configs[-1:]
+    return kept[:1] if os.environ.get(AUTOTUNE_ENV, "1") == "0" else kept
+
+
 def _pruner(kind: str):
-    """A prune function for ``kind`` in fwd / dq / dkdv (the argument triton.autotune calls it with)."""
+    """The prune function of ``kind`` for TunedKernel (which consults the tuning cache itself)."""
+    return lambda configs, named_args: _fitting(kind, configs, named_args)
+
+
+def _pruner_for_inductor(kind: str):
+    """The prune function of ``kind`` that ``triton.autotune`` calls, under torch.compile from Inductor: the
+    choice stored on this machine where there is one (Inductor then times nothing), else what fits."""
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        if interpreting():
-            return [INTERPRETER_CONFIG[kind]]
         args = {**named_args, **kwargs}
-        head_dim_pad = args["HEAD_DIM_PAD"]
-        elem_bytes = args["Q"].element_size()
-        limit = triton.runtime.driver.active.utils.get_device_properties(args["Q"].device.index)["max_shared_mem"]
-        kept = []
-        for config in configs:
-            bm, bn, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
-            # Tiles longer than the (bucketed) sequence only add masked work.
-            if bm > max(args["N_Q_KEY"], 16) or bn > max(args["N_K_KEY"], 16):
-                continue
-            # Pipelined shared memory: two streamed tiles per stage (K, V or Q, dO) plus two resident ones.
-            streamed, resident = (bm, bn) if kind == "dkdv" else (bn, bm)
-            if (config.num_stages * 2 * streamed + 2 * resident) * head_dim_pad * elem_bytes > limit:
-                continue
-            # fp32 registers per thread for the accumulators and score tiles; far past 255 means spills.
-            live = {"fwd": bm * head_dim_pad + bm * bn, "dq": bm * head_dim_pad + 2 * bm * bn,
-                    "dkdv": 2 * bn * head_dim_pad + 2 * bm * bn}[kind]
-            if live / (32 * warps) > 256:
-                continue
-            kept.append(config)
-        # fp32 products run as three tf32 passes, which compile slowly and need more shared memory than
-        # the estimate above: fp32 (a correctness path more than a speed path) takes the small last config.
-        if elem_bytes == 4 or not kept:
-            return configs[-1:]
-        return kept[:1] if os.environ.get(AUTOTUNE_ENV, "1") == "0" else kept
+        kept = _fitting(kind, configs, args)
+        stored = TUNED[kind].stored(kept, args)
+        return kept if stored is None else [stored]
 
     return prune
 
 
-def _autotuned(configs: list[triton.Config], kind: str, kernel):
-    return triton.autotune(configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _pruner(kind)})(kernel)
-
-
-attn_fwd = _autotuned(FWD_CONFIGS, "fwd", attn_fwd_kernel)
-attn_bwd_dq = _autotuned(DQ_CONFIGS, "dq", attn_bwd_dq_kernel)
-attn_bwd_dkdv = _autotuned(DKDV_CONFIGS, "dkdv", attn_bwd_dkdv_kernel)
+# What names the kernels' source in a tuning cache entry: an edit to either kernel file tunes again.
+KERNEL_SOURCE = fingerprint([Path(module.__file__).read_text() for module in (flash_triton_forward,
+                                                                              flash_triton_backward)])
+_KERNELS = {"fwd": (FWD_CONFIGS, attn_fwd_kernel), "dq": (DQ_CONFIGS, attn_bwd_dq_kernel),
+            "dkdv": (DKDV_CONFIGS, attn_bwd_dkdv_kernel)}
+# Eager launches: tuned once per machine.
+TUNED = {kind: TunedKernel(kernel, configs, AUTOTUNE_KEY, _pruner(kind), KERNEL_SOURCE)
+         for kind, (configs, kernel) in _KERNELS.items()}
+# Launches from torch.compile's graphs (wrap_triton takes a triton.jit or triton.autotune kernel).
+AUTOTUNED = {kind: triton.autotune(configs, key=AUTOTUNE_KEY,
+                                   prune_configs_by={"early_config_prune": _pruner_for_inductor(kind)})(kernel)
+             for kind, (configs, kernel) in _KERNELS.items()}
 
 
 def tuned_configs() -> dict[str, dict[tuple, str]]:
-    """The config each autotuned kernel chose, per tuning key, so benchmark results can say what ran."""
-    return {name: {key: str(config) for key, config in kernel.cache.items()}
-            for name, kernel in (("fwd", attn_fwd), ("dq", attn_bwd_dq), ("dkdv", attn_bwd_dkdv))}
+    """The config each eager kernel chose, per tuning key, so benchmark results can say what ran."""
+    return {kind: {key: str(config) for key, config in kernel.cache.items()} for kind, kernel in TUNED.items()}

@@ -90,7 +90,7 @@ def test_tiles_taller_than_wide_and_wider_than_tall(monkeypatch):
     swapped = {"fwd": (16, 32), "dq": (16, 32), "dkdv": (32, 16)}
     for kind, (bm, bn) in swapped.items():
         monkeypatch.setitem(autotune.INTERPRETER_CONFIG, kind, triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}))
-    for kernel in (autotune.attn_fwd, autotune.attn_bwd_dq, autotune.attn_bwd_dkdv):
+    for kernel in autotune.TUNED.values():
         monkeypatch.setattr(kernel, "cache", {})
     for n_q, n_k in ((37, 50), (50, 19)):
         _check_against_reference(*_inputs((1, 2), n_q, n_k, 48, torch.float32), True)

@@ -39,10 +39,18 @@ def test_ratios_are_taken_within_each_round_then_the_median():
     rows = {row["setup"]: row for row in bench.rows(runs, args)}
     assert rows["bucketed_ddp"]["ms_per_step"] == 120
     assert rows["bucketed_ddp"]["scaling"] == pytest.approx(sorted([100 / 110, 200 / 250, 100 / 120])[1])
-    assert rows["bucketed_ddp"]["over_ddp"] == pytest.approx(sorted([110 / 150, 250 / 260, 120 / 125])[1])
+    assert rows["bucketed_ddp"]["over_baseline"] == pytest.approx(sorted([110 / 150, 250 / 260, 120 / 125])[1])
     assert rows["bucketed_ddp"]["tokens_per_s"] == pytest.approx(2 * 2 * 64 / 120 * 1e3)
     assert rows["single"]["devices"] == 1 and rows["single"]["tokens_per_s"] == pytest.approx(2 * 64 / 100 * 1e3)
     assert rows["ddp:25"]["peak_GiB_per_rank"] == 2.0
+    args.baseline = "single"
+    rows = {row["setup"]: row for row in bench.rows(runs, args)}
+    assert rows["bucketed_ddp"]["over_baseline"] == pytest.approx(sorted([110 / 100, 250 / 200, 120 / 100])[1])
+
+
+def test_a_baseline_must_be_one_of_the_setups():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--setups", "single", "--baseline", "ddp:25"])
 
 
 @pytest.mark.slow

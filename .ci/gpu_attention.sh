@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue 33's attention work on one CUDA GPU (about 8 minutes on an H100; torch 2.11, triton 3.6):
+#   tune      the tuning cache: one process tunes the headline shapes, a second reads them (both timed)
+#   headline  python -m benchmarks.attention --mode headline (B1 H16 N16384 bf16 causal, d 64 and 128,
+#             flash_triton compiled and eager against SDPA flash and cuDNN, interleaved), with the tuned cache
+#   tests     the gpu-marked attention tests (float64 references; the autotuned headline shapes)
+#   long      medium at context 8192 through train.py, flash_triton against sdpa (benchmarks.scaling)
+#
+#   .ci/gpu_attention.sh                  # all four, in this order (about 10 minutes)
+#   .ci/gpu_attention.sh tune headline tests && .ci/gpu_attention.sh long   # in two calls of under 10 minutes
+# Writes logs, the tests' junit xml and the benchmark tables (results/) under $OUT (./gpu_attention_out
+# without it). Stages run under time limits; one that fails or times out is logged and the next one runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_attention_out}
+mkdir -p "$OUT/results"
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(tune headline tests long)
+
+# The GPU image lacks jsonargparse[signatures] (train.py's LightningCLI) and datasets: wheels in .whl/.
+if [ -d .whl ] && ! python -c "import docstring_parser, typeshed_client" 2>/dev/null; then
+    python -m pip install --quiet --no-index --find-links .whl "jsonargparse[signatures]" datasets
+fi
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee "$OUT/versions.txt"
+
+run() {  # run STAGE_NAME SECONDS COMMAND...: log to $OUT/STAGE_NAME.log, print the wall time
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+    local code=$?
+    echo "== $name: exit $code after $((SECONDS - start)) s wall" | tee -a "$OUT/summary.txt"
+}
+
+for stage in "${STAGES[@]}"; do
+    case $stage in
+    tune)
+        python -m lm_systems.attention.tune --clear | tee -a "$OUT/summary.txt"
+        # Each process: python start, imports, then per shape one forward + backward (compile or load, tune or read).
+        run tune_first_process 200 python -m lm_systems.attention.tune --seq 16384 --head-dim 64 128 --heads 16
+        run tune_second_process 60 python -m lm_systems.attention.tune --seq 16384 --head-dim 64 128 --heads 16
+        grep -h "^B1" "$OUT"/tune_*_process.log | tee -a "$OUT/summary.txt"
+        ;;
+    headline)
+        run headline 180 python -m benchmarks.attention --mode headline --rounds 3 --out-dir "$OUT/results"
+        ;;
+    tests)  # after tune: the autotuned headline-shape tests read this machine's tuning cache
+        run gpu_tests 240 python -m pytest -q -m gpu tests/attention -p no:cacheprovider \
+            --junitxml="$OUT/gpu_attention_tests.xml"
+        ;;
+    long)
+        run tune_long_context 90 python -m lm_systems.attention.tune --seq 8192 --head-dim 64 --heads 16 --batch 2
+        run long_context 300 python -m benchmarks.scaling --devices 1 --size medium --configs 8192x2:compiled \
+            --name long_context --setups single+--model.attention=sdpa single+--model.attention=flash_triton \
+            --baseline single+--model.attention=sdpa --rounds 1 --warmup 5 --steps 5 --segments 2 \
+            --run-timeout 140 --out-dir "$OUT/results"
+        ;;
+    *)
+        echo "unknown stage $stage (tune, headline, tests, long)"; exit 2
+        ;;
+    esac
+done
+cat "$OUT/summary.txt"
