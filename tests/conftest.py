@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from lm_systems.parallel.ports import free_port
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +72,7 @@ def cache_dir(tmp_path_factory) -> Path:
 def _spawn_two_ranks(worker, out_dir, *args) -> None:
     """Run ``worker(rank, 2, port, str(out_dir), *args)`` on two spawned processes; a failure in either fails the
     test. The worker creates its process group (with a timeout) and destroys it."""
-    mp.spawn(worker, args=(2, free_port(), str(out_dir), *args), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, find_free_network_port(), str(out_dir), *args), nprocs=2, join=True)
 
 
 @pytest.fixture(scope="session")
