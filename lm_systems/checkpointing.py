@@ -115,8 +115,3 @@ class CrashCheckpoint(Checkpoint):
     def _path(trainer: "L.Trainer") -> Optional[str]:
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
         return os.path.join(dirpath, CrashCheckpoint.FILENAME) if dirpath else None
-
-
-def checkpoint_callbacks(every_n_train_steps: int = 0, dirpath: Optional[_PATH] = None) -> list[L.Callback]:
-    """The checkpointing ``train.py`` adds: step files every N steps and at the end, ``last.ckpt``, ``crash.ckpt``."""
-    return [StepCheckpoint(every_n_train_steps, dirpath), CrashCheckpoint()]

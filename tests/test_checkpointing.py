@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lm_systems.checkpoint_io import NonFiniteWeightsError, SafeCheckpointIO
-from lm_systems.checkpointing import checkpoint_callbacks
+from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 
 ADVICE = ("--model.lr", "--trainer.gradient_clip_val", "bf16-mixed")
 
@@ -62,7 +62,7 @@ def fail(module: L.LightningModule) -> None:
 def fit(tmp_path: Path, max_steps: int, interval: int, callbacks: tuple[L.Callback, ...] = ()) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[*callbacks, *checkpoint_callbacks(interval, dirpath=str(tmp_path))], plugins=[SafeCheckpointIO()],
+        callbacks=[*callbacks, StepCheckpoint(interval, dirpath=str(tmp_path)), CrashCheckpoint()], plugins=[SafeCheckpointIO()],
     )
     trainer.fit(TinyRegression())
     return trainer
