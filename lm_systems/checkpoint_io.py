@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
@@ -13,7 +12,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lm_systems.data.cache_files import atomic_write_path
+from lm_systems.atomic_files import atomic_write_path
 from lm_systems.errors import RunError
 from lm_systems.nonfinite import divergence_advice
 
@@ -33,20 +32,6 @@ def weights_are_finite(tensors: Iterable[torch.Tensor]) -> bool:
     floating = [t.detach() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
     # The inf-norm is a max |x|: it never overflows, and NaN propagates through it.
     return bool(torch.nn.utils.get_total_norm(floating, norm_type=math.inf, foreach=True).isfinite())
-
-
-def link_atomically(target: _PATH, link: _PATH) -> None:
-    """Point ``link`` at ``target`` (a relative symlink) by renaming a new link over it: never absent, never torn.
-
-    Where symlinks are not allowed (Windows without the privilege), a hard link is renamed over it instead;
-    neither copies the file.
-    """
-    target, link = Path(target), Path(link)
-    with atomic_write_path(link) as tmp:
-        try:
-            os.symlink(os.path.relpath(target, link.parent), tmp)
-        except OSError:
-            os.link(target, tmp)
 
 
 class SafeCheckpointIO(TorchCheckpointIO):

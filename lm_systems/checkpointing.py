@@ -17,7 +17,8 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lm_systems.checkpoint_io import NonFiniteWeightsError, link_atomically, weights_are_finite
+from lm_systems.atomic_files import link_atomically
+from lm_systems.checkpoint_io import NonFiniteWeightsError, weights_are_finite
 from lm_systems.errors import WRITE_ERRNOS, RunError, os_error_in
 
 
