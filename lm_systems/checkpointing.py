@@ -2,8 +2,8 @@
 
 ``StepCheckpoint`` writes ``step=N.ckpt`` every N optimizer steps and at the end of fit, and points
 ``last.ckpt`` at the newest one; ``CrashCheckpoint`` writes ``crash.ckpt`` when a single-process run
-stops on an exception (Ctrl-C, SIGTERM, an error). Neither ever writes non-finite weights (see
-:mod:`lm_systems.checkpoint_io`, whose ``SafeCheckpointIO`` writes every file atomically).
+stops on an exception (Ctrl-C, SIGTERM, an error). LitLM refuses to save non-finite weights, and
+:mod:`lm_systems.checkpoint_io`'s ``SafeCheckpointIO`` writes every file atomically.
 """
 
 from __future__ import annotations
@@ -18,16 +18,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lm_systems.atomic_files import link_atomically
-from lm_systems.checkpoint_io import NonFiniteWeightsError, weights_are_finite
 from lm_systems.errors import WRITE_ERRNOS, RunError, os_error_in
 
 
 class StepCheckpoint(ModelCheckpoint):
     """ModelCheckpoint keeping ``step=N.ckpt`` every ``every_n_train_steps`` (<= 0: none) and at the end of fit.
 
-    ``last.ckpt`` is a link to the newest file, replaced atomically (never a second copy). Before each
-    save, every rank checks its weights and all agree: non-finite weights stop the run with
-    :class:`NonFiniteWeightsError` on every rank, and nothing is written.
+    ``last.ckpt`` is a link to the newest file, replaced atomically (never a second copy).
     """
 
     def __init__(self, every_n_train_steps: int = 0, dirpath: Optional[_PATH] = None) -> None:
@@ -58,15 +55,6 @@ class StepCheckpoint(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
-
-    @override
-    def _save_checkpoint(self, trainer: "L.Trainer", filepath: str) -> None:
-        finite = weights_are_finite(trainer.lightning_module.parameters())
-        # Agreed across ranks so that all of them stop here together, none waiting in the save's collectives.
-        if not trainer.strategy.reduce_boolean_decision(finite, all=True):
-            raise NonFiniteWeightsError(trainer.global_step, filepath)
-        super()._save_checkpoint(trainer, filepath)
-        rank_zero_info(f"checkpoint saved: {filepath}")
 
     @staticmethod
     @override

@@ -17,7 +17,8 @@ from lm_systems.config import ModelConfig
 from lm_systems.data.tokenizer import tokenizer_mismatch
 from lm_systems.errors import InputError
 from lm_systems.model import TransformerLM
-from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy, divergence_advice
+from lm_systems.nonfinite import (NonFiniteGuard, NonFinitePolicy, NonFiniteWeightsError, divergence_advice,
+                                  weights_are_finite)
 from lm_systems.optim import adamw_param_groups, make_adamw
 from lm_systems.run_logger import log_text
 from lm_systems.sampling import sample_text
@@ -337,7 +338,11 @@ class LitLM(L.LightningModule):
             raise InputError(mismatch)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._nonfinite.check(self._nonfinite_advice())  # never a checkpoint of weights that went non-finite
+        """Every checkpoint passes here, on every rank, before it is written: none is written of weights that went
+        non-finite (the ranks agree, so that all of them stop together, none waiting in the save's collectives)."""
+        self._nonfinite.check(self._nonfinite_advice())
+        if not self.trainer.strategy.reduce_boolean_decision(weights_are_finite(self.parameters()), all=True):
+            raise NonFiniteWeightsError(self.trainer.global_step)
         checkpoint["model_config"] = asdict(self.config)
         tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
         if tokenizer is not None:
