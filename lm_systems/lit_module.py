@@ -12,7 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from lm_systems.attention import describe_attention, resolve_attention_name
+from lm_systems.attention import describe_attention
 from lm_systems.config import ModelConfig
 from lm_systems.data.tokenizer import tokenizer_mismatch
 from lm_systems.errors import InputError
@@ -92,8 +92,8 @@ class LitLM(L.LightningModule):
                 "need model.lr > 0, 0 <= model.min_lr_ratio <= 1 and model.warmup_steps >= 0, got "
                 f"{lr}, {min_lr_ratio}, {warmup_steps}"
             )
-        resolve_attention_name(attention)
-        # Validates the size and every override now, even while the vocabulary is still unknown.
+        # Validates the size and every override (the attention's name included) now, even while the vocabulary is
+        # still unknown.
         self._config = ModelConfig.from_name(
             size, context_length=context_length, d_model=d_model, num_layers=num_layers,
             num_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta, attention=attention, vocab_size=vocab_size,
