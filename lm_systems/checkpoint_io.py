@@ -1,8 +1,10 @@
-"""SafeCheckpointIO: checkpoint files that are never torn."""
+"""Checkpoint files: written whole (SafeCheckpointIO), and checked whole before they are read."""
 
 from __future__ import annotations
 
 import os
+import zipfile
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -31,3 +33,26 @@ class SafeCheckpointIO(TorchCheckpointIO):
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
+
+
+def require_checkpoint_file(path: str | Path, flag: str) -> Path:
+    """``path`` as a Path if it holds a whole PyTorch checkpoint; otherwise an error naming ``flag``.
+
+    Reads only the zip's central directory (at the file's end), so a truncated or foreign file is found
+    without loading the checkpoint.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {str(path)!r} is a folder, not a checkpoint file (pass e.g. {str(path / 'last.ckpt')!r})")
+    if not path.exists():
+        raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"{flag} {str(path)!r} cannot be read (permission denied)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            complete = any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        complete = False
+    if not complete:
+        raise ValueError(f"{flag} {str(path)!r} is not a readable PyTorch checkpoint (truncated, or not written by torch.save)")
+    return path

@@ -19,13 +19,12 @@ import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp,
 from callbacks.gc_freeze import GCFreeze
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from callbacks.throughput import MFUMonitor
-from lm_systems.checkpoint_io import SafeCheckpointIO
+from lm_systems.checkpoint_io import SafeCheckpointIO, require_checkpoint_file
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.config_files import check_config_files
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
-from lm_systems.generate import require_checkpoint_file
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
 from lm_systems.resume import RunConfigRecord, SavedSettings
