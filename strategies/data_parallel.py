@@ -41,7 +41,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn import Module
 from typing_extensions import override
 
-from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP,
+from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP,
                                  gradient_process_group)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -169,18 +169,18 @@ class OverlapDDPStrategy(LaunchThreadDDPStrategy):
     """Launches each parameter's gradient all-reduce during backward, as soon as the gradient is ready."""
 
     strategy_name = "overlap_ddp"
-    strategy_description = "DDPIndividualParameters: per-parameter all-reduce overlapped with backward"
+    strategy_description = "PerParameterDDP: per-parameter all-reduce overlapped with backward"
 
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
-        return DDPIndividualParameters(module, launch_thread=self._launch_thread, **comm)
+        return PerParameterDDP(module, launch_thread=self._launch_thread, **comm)
 
 
 class BucketedDDPStrategy(LaunchThreadDDPStrategy):
     """Bucketed gradient all-reduce overlapped with backward; ``bucket_size_mb`` caps each bucket."""
 
     strategy_name = "bucketed_ddp"
-    strategy_description = "DDPBucketed: bucketed all-reduce overlapped with backward"
+    strategy_description = "BucketedDDP: bucketed all-reduce overlapped with backward"
 
     def __init__(self, bucket_size_mb: float = 25.0, **kwargs: Any) -> None:
         if bucket_size_mb <= 0:
@@ -190,4 +190,4 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
 
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
-        return DDPBucketed(module, bucket_size_mb=self._bucket_size_mb, launch_thread=self._launch_thread, **comm)
+        return BucketedDDP(module, bucket_size_mb=self._bucket_size_mb, launch_thread=self._launch_thread, **comm)
