@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,6 +71,9 @@ def cache_dir(tmp_path_factory) -> Path:
 def _spawn_two_ranks(worker, out_dir, *args) -> None:
     """Run ``worker(rank, 2, port, str(out_dir), *args)`` on two spawned processes; a failure in either fails the
     test. The worker creates its process group (with a timeout) and destroys it."""
+    # Imported here: Lightning imports triton, which must see TRITON_INTERPRET (set above) first.
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
     mp.spawn(worker, args=(2, find_free_network_port(), str(out_dir), *args), nprocs=2, join=True)
 
 
