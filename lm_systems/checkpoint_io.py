@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lm_systems.atomic_files import atomic_write_path
+from lm_systems.compat.lightning import is_local_path
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
@@ -25,8 +24,10 @@ class SafeCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Union[str, Path], storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None or not is_local_path(path):
             super().save_checkpoint(checkpoint, path, storage_options)  # remote stores: Lightning's transaction
             return
         with atomic_write_path(path) as tmp, open(tmp, "wb") as file:

@@ -13,6 +13,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
 from lm_systems.attention import describe_attention
+from lm_systems.compat.lightning import attached_trainer, logs_this_step
+from lm_systems.compat.torch import skip_step_on_device, unscales_in_step
 from lm_systems.config import ModelConfig
 from lm_systems.data.tokenizer import tokenizer_mismatch
 from lm_systems.errors import InputError
@@ -172,7 +174,8 @@ class LitLM(L.LightningModule):
         """Per block where gradients are reduced across processes, so that each block's are ready as its backward
         ends; else the whole model, whose one graph launches its kernels with less host work per step (unless
         ``compile`` names one of the two)."""
-        across_processes = self._trainer is not None and self._trainer.world_size > 1
+        trainer = attached_trainer(self)
+        across_processes = trainer is not None and trainer.world_size > 1
         if self.hparams.compile == "blocks" or (self.hparams.compile is True and across_processes):
             self.model.compile_blocks()
         else:
@@ -251,7 +254,7 @@ class LitLM(L.LightningModule):
     def _logs_this_step(self) -> bool:
         """Whether Lightning logs the optimizer step now running (every ``log_every_n_steps``, and the last);
         the same answer from ``training_step`` through ``on_train_batch_end``."""
-        return self.trainer._logger_connector.should_update_logs
+        return logs_this_step(self.trainer)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
@@ -268,7 +271,7 @@ class LitLM(L.LightningModule):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         log_now = self._logs_this_step()
         needs_norm = bool(gradient_clip_val) or log_now or self._nonfinite.policy == "skip"
-        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if scaler is not None and unscales_in_step(optimizer):
             # 16-mixed: the optimizer would unscale in step(); the norm needs it now, and a sharding scaler
             # agrees on overflow across ranks only in unscale_.
             scaler.unscale_(optimizer)
@@ -293,8 +296,8 @@ class LitLM(L.LightningModule):
 
     @staticmethod
     def _skip_update_if(bad: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            optimizer.found_inf = bad.float()  # fused AdamW skips its update on the device: no host sync
+        if unscales_in_step(optimizer):
+            skip_step_on_device(optimizer, bad)  # fused AdamW skips its update on the device: no host sync
         elif bad:  # other optimizers: one host sync; parameters without gradients are not updated
             optimizer.zero_grad(set_to_none=True)
 
@@ -332,7 +335,7 @@ class LitLM(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A run resumed by a Trainer must tokenize its data as the checkpoint's run did."""
-        tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None)
+        tokenizer = getattr(getattr(attached_trainer(self), "datamodule", None), "tokenizer", None)
         mismatch = tokenizer_mismatch(checkpoint.get("tokenizer"), tokenizer.to_str() if tokenizer else None)
         if mismatch is not None:
             raise InputError(mismatch)

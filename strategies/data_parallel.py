@@ -4,7 +4,8 @@ They subclass Lightning's DDPStrategy, so process-group setup, the launchers (po
 spawn), cluster environments (torchrun, SLURM), ``num_nodes``, distributed samplers and ``sync_dist``
 logging are Lightning's own. What changes is the model wrapper and where gradients get averaged:
 
-- ``_setup_model`` wraps the LightningModule in the container (which broadcasts rank 0's weights);
+- ``wrap_model`` wraps the LightningModule in the container (which broadcasts rank 0's weights), and torch
+  DDP's hooks are left out (:class:`lm_systems.compat.lightning.ModelWrappingDDPStrategy`);
 - ``block_backward_sync`` enters the container's ``no_sync()``, so non-boundary micro-batches of gradient
   accumulation communicate nothing;
 - ``post_backward`` calls ``finish_gradient_synchronization()`` after a syncing backward, before the
@@ -34,13 +35,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from torch.nn import Module
 from typing_extensions import override
 
+from lm_systems.compat.lightning import ModelWrappingDDPStrategy
 from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP,
                                  gradient_process_group)
 
@@ -48,7 +48,7 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ContainerDDPStrategy(DDPStrategy):
+class ContainerDDPStrategy(ModelWrappingDDPStrategy):
     """Base: a DDPStrategy whose model wrapper is a container from ``lm_systems.parallel``."""
 
     strategy_name: ClassVar[str]
@@ -94,17 +94,11 @@ class ContainerDDPStrategy(DDPStrategy):
         """The container this strategy trains through; ``comm`` goes to its constructor."""
 
     @override
-    def _setup_model(self, model: Module) -> DataParallelModule:
+    def wrap_model(self, model: Module) -> DataParallelModule:
         own_group = self._comm_high_priority or self._comm_max_ctas is not None
         if own_group and self._grad_group is None:  # None unless the backend is NCCL
             self._grad_group = gradient_process_group(self._comm_high_priority, self._comm_max_ctas)
         return self.wrap(model, process_group=self._grad_group, grad_comm_dtype=self._grad_comm_dtype)
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        # DDPStrategy's version asserts a torch DistributedDataParallel model on CUDA; the container
-        # registered its own gradient hooks when it was built.
-        pass
 
     @contextmanager
     @override
@@ -132,7 +126,7 @@ class ContainerDDPStrategy(DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         for suffix, start_method in (("", "popen"), ("_spawn", "spawn")):
             name = cls.strategy_name + suffix
             if name not in strategy_registry:
