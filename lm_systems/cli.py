@@ -162,7 +162,7 @@ class LMCLI(CommandLineOverCheckpointCLI):
             # Redrawn on logged steps only: a rich redraw per step cost the lent GPU hosts more time than Lightning's
             # whole step (benchmarks/results/train_step.md).
             refresh_rate = trainer_config.get("log_every_n_steps") or 1
-            bar = StepsProgressBar if importlib.util.find_spec("rich") else StepsTQDMProgressBar
+            bar = StepsProgressBar if _rich_installed() else StepsTQDMProgressBar
             callbacks.append(bar(refresh_rate=refresh_rate))
         plugins = trainer_config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
@@ -218,6 +218,10 @@ def _subcommand_part(config: Any) -> Any:
     """The part of a parsed (or instantiated) configuration that belongs to its subcommand (``fit``), or all of it."""
     subcommand = config.get("subcommand")
     return config[subcommand] if subcommand else config
+
+
+def _rich_installed() -> bool:
+    return importlib.util.find_spec("rich") is not None
 
 
 def _has(items: list[Any], kind: type) -> bool:
