@@ -49,7 +49,7 @@ from typing_extensions import override
 from benchmarks.report import argument_parser, write_results
 from lm_systems.config import MODEL_SIZES
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 STRATEGY_CLASSES = {
     "ddp": "lightning.pytorch.strategies.DDPStrategy",
     "naive_ddp": "strategies.NaiveDDPStrategy",
