@@ -4,8 +4,8 @@ A variant is a name with options after ``+`` (``bucketed_25+thread+hp``):
 
 - ``single``: rank 0 alone, no communication (the scaling baseline; the other ranks wait);
 - ``torch_ddp``: torch DistributedDataParallel with its defaults (Lightning's ``ddp``);
-- ``naive``, ``overlap``, ``bucketed_<MB>``: lm_systems.parallel's NaiveDDP, DDPIndividualParameters, DDPBucketed;
-- ``zero1``: DDPBucketed (25 MB) + ShardedOptimizer.
+- ``naive``, ``overlap``, ``bucketed_<MB>``: lm_systems.parallel's NaiveDDP, PerParameterDDP, BucketedDDP;
+- ``zero1``: BucketedDDP (25 MB) + ShardedOptimizer.
 
 Options, the strategies' own: ``+hp`` all-reduces on an NCCL group with a high-priority stream
 (``comm_high_priority``), ``+thread`` launches them from a thread of their own (``launch_thread``),
@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
-from lm_systems.parallel import DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer
+from lm_systems.parallel import BucketedDDP, NaiveDDP, PerParameterDDP, ShardedOptimizer
 
 BASES = ("single", "torch_ddp", "naive", "overlap", "zero1")
 OPTIONS = "+hp, +thread, +stages<k>"
@@ -108,10 +108,10 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
     if base == "naive":
         container = NaiveDDP(model, process_group=group)
     elif base == "overlap":
-        container = DDPIndividualParameters(model, process_group=group, launch_thread=variant.launch_thread)
+        container = PerParameterDDP(model, process_group=group, launch_thread=variant.launch_thread)
     else:
         bucket_mb = 25 if base == "zero1" else float(base.removeprefix("bucketed_"))
-        container = DDPBucketed(model, bucket_mb, process_group=group, launch_thread=variant.launch_thread)
+        container = BucketedDDP(model, bucket_mb, process_group=group, launch_thread=variant.launch_thread)
     if base == "zero1":
         stages = {} if variant.exchange_stages is None else {"exchange_stages": variant.exchange_stages}
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, **stages, **adamw)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from benchmarks.report import format_value
-from lm_systems.parallel.ports import free_port
 
 TIMEOUT = timedelta(minutes=10)  # of every collective: a rank that stops ends the others' wait
 Worker = Callable[[Any, torch.device], Iterator[dict]]
@@ -31,7 +31,7 @@ def spawn_ranks(worker: Worker, args: Any, nproc: int, backend: str,
     queue = mp.get_context("spawn").SimpleQueue()
     rows: list[dict] = []
     try:
-        mp.spawn(_run_rank, args=(worker, args, nproc, backend, free_port(), queue), nprocs=nproc, join=True)
+        mp.spawn(_run_rank, args=(worker, args, nproc, backend, find_free_network_port(), queue), nprocs=nproc, join=True)
     finally:
         while not queue.empty():
             rows.append(queue.get())

@@ -11,6 +11,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lm_systems.compat.torch import dump_memory_snapshot, record_memory_history
+
 _GIB = 1024**3
 
 
@@ -72,7 +74,7 @@ class MemorySnapshot(Callback):
             return
         torch.cuda.reset_peak_memory_stats()
         if trainer.global_step == self._start_step and not self._recording and self.snapshot_path is None:
-            torch.cuda.memory._record_memory_history(max_entries=self._max_entries)
+            record_memory_history(self._max_entries)
             self._recording = True
 
     @override
@@ -124,7 +126,7 @@ class MemorySnapshot(Callback):
         self._out_dir.mkdir(parents=True, exist_ok=True)
         steps = f"{self._start_step}" if self._last_step == self._start_step else f"{self._start_step}-{self._last_step}"
         self.snapshot_path = self._out_dir / f"memory_snapshot_rank{self._rank}_step{steps}.pickle"
-        torch.cuda.memory._dump_snapshot(str(self.snapshot_path))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        dump_memory_snapshot(str(self.snapshot_path))
+        record_memory_history(None)
         self._recording = False
         rank_zero_info(f"MemorySnapshot: wrote {self.snapshot_path} (open it at https://pytorch.org/memory_viz)")

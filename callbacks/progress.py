@@ -7,8 +7,10 @@ from typing import Any, Union
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from typing_extensions import override
+
+from lm_systems.compat.lightning import TitledRichProgressBar
 
 SHOWN_LOGGED_METRICS = ("train/loss",)
 
@@ -64,16 +66,16 @@ class _StepsBar(ProgressBar):
         return number
 
 
-class StepsProgressBar(_StepsBar, RichProgressBar):
+class StepsProgressBar(_StepsBar, TitledRichProgressBar):
     """Training for ``max_steps`` over an endless stream leaves Lightning's ``max_epochs`` at -1, and its
     rich bar then titled itself "Epoch 0/-2". This one reads "Epoch 0" there (the bar counts the steps);
     with a real epoch budget it is Lightning's. ``train.py`` uses it where rich is installed."""
 
     @override
-    def _get_train_description(self, current_epoch: int) -> str:
+    def train_description(self, current_epoch: int) -> str:
         max_epochs = self.trainer.max_epochs
         if max_epochs is not None and max_epochs >= 1:
-            return super()._get_train_description(current_epoch)
+            return super().train_description(current_epoch)
         return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
 
 

@@ -15,6 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lm_systems.compat.lightning import accumulates_this_batch
+
 PHASES = ("forward", "backward", "optimizer", "step")
 
 
@@ -95,7 +97,7 @@ class StepTimer(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._timing or trainer.fit_loop._should_accumulate():
+        if not self._timing or accumulates_this_batch(trainer):
             return
         now = self._now()
         if "optimizer" in self._marks:

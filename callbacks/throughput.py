@@ -6,13 +6,12 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.fabric.utilities.throughput import Throughput
-from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from lm_systems.compat.lightning import CountingThroughputMonitor, compute_dtype, logs_this_step
 from lm_systems.hardware import peak_flops
 
 
@@ -49,7 +48,7 @@ class _Unlogged(Throughput):
         return {}
 
 
-class MFUMonitor(ThroughputMonitor):
+class MFUMonitor(CountingThroughputMonitor):
     """Logs training tokens/s (``train/tokens_per_sec``, all devices) and MFU (``train/mfu``) every logged step.
 
     Lightning's ``ThroughputMonitor`` does the bookkeeping: a rolling window of times, and the
@@ -77,7 +76,7 @@ class MFUMonitor(ThroughputMonitor):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
+        dtype = compute_dtype(trainer)
         device = trainer.strategy.root_device
         self.available_flops = self._peak_override or peak_flops(device, dtype)
         if self.available_flops is None and device.type == "cuda":
@@ -85,11 +84,11 @@ class MFUMonitor(ThroughputMonitor):
                 f"MFUMonitor knows no peak FLOP/s for {torch.cuda.get_device_name(device)!r} in {dtype}: "
                 "set the callback's peak_flops_per_s to log MFU"
             )
-        for stage_key in list(self._throughputs):
+        for stage_key in self.stages():
             kind = _TokensAndMFU if stage_key == RunningStage.TRAINING else _Unlogged
-            self._throughputs[stage_key] = kind(
+            self.set_throughput(stage_key, kind(
                 available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs
-            )
+            ))
 
     @override
     @rank_zero_only
@@ -101,10 +100,7 @@ class MFUMonitor(ThroughputMonitor):
                 "MFUMonitor expects (B, T + 1) token batches as LMDataModule yields, "
                 f"got {type(batch).__name__} {getattr(batch, 'shape', '')}"
             )
-        if trainer._logger_connector.should_update_logs:  # what Lightning's own _compute asks below
+        if logs_this_step(trainer):  # what Lightning's own bookkeeping asks below
             super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
         else:  # count the batch; its time is read with the next logged step's
-            stage = trainer.state.stage
-            self._lengths[stage] += tokens_in_batch(batch)
-            self._samples[stage] += sequences_in_batch(batch)
-            self._batches[stage] += 1
+            self.count_batch(trainer.state.stage, sequences_in_batch(batch), tokens_in_batch(batch))

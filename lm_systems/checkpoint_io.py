@@ -1,56 +1,22 @@
-"""Checkpoint files that are never torn and never hold non-finite weights: SafeCheckpointIO and its checks."""
+"""Checkpoint files: written whole (SafeCheckpointIO), and checked whole before they are read."""
 
 from __future__ import annotations
 
-import math
 import os
+import zipfile
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional, Union
 
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lm_systems.data.cache_files import atomic_write_path
-from lm_systems.errors import RunError
-from lm_systems.nonfinite import divergence_advice
-
-
-class NonFiniteWeightsError(RunError):
-    """A checkpoint was not written because the weights hold NaN or inf."""
-
-    def __init__(self, step: Optional[int], path: _PATH) -> None:
-        super().__init__(
-            f"the weights are not finite (NaN or inf) at step {step}: {str(path)!r} was not written and the "
-            f"previous checkpoints (last.ckpt included) are kept. Training diverged: {divergence_advice()}"
-        )
-
-
-def weights_are_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True when no floating-point tensor holds NaN or inf: one fused max-abs pass per device and dtype, one sync."""
-    floating = [t.detach() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    # The inf-norm is a max |x|: it never overflows, and NaN propagates through it.
-    return bool(torch.nn.utils.get_total_norm(floating, norm_type=math.inf, foreach=True).isfinite())
-
-
-def link_atomically(target: _PATH, link: _PATH) -> None:
-    """Point ``link`` at ``target`` (a relative symlink) by renaming a new link over it: never absent, never torn.
-
-    Where symlinks are not allowed (Windows without the privilege), a hard link is renamed over it instead;
-    neither copies the file.
-    """
-    target, link = Path(target), Path(link)
-    with atomic_write_path(link) as tmp:
-        try:
-            os.symlink(os.path.relpath(target, link.parent), tmp)
-        except OSError:
-            os.link(target, tmp)
+from lm_systems.atomic_files import atomic_write_path
+from lm_systems.compat.lightning import is_local_path
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """TorchCheckpointIO that refuses non-finite weights and writes to a temporary name, then renames.
+    """TorchCheckpointIO that writes to a temporary name, then renames.
 
     A kill at any moment leaves either the previous file or the new one, whole. Lightning's own writer
     serialises the whole checkpoint into memory first and moves it out of the system temp folder (a copy
@@ -58,13 +24,36 @@ class SafeCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        if not weights_are_finite(checkpoint.get("state_dict", {}).values()):
-            raise NonFiniteWeightsError(checkpoint.get("global_step"), path)
-        if storage_options is not None or not _is_local_file_protocol(path):
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Union[str, Path], storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None or not is_local_path(path):
             super().save_checkpoint(checkpoint, path, storage_options)  # remote stores: Lightning's transaction
             return
         with atomic_write_path(path) as tmp, open(tmp, "wb") as file:
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
+
+
+def require_checkpoint_file(path: str | Path, flag: str) -> Path:
+    """``path`` as a Path if it holds a whole PyTorch checkpoint; otherwise an error naming ``flag``.
+
+    Reads only the zip's central directory (at the file's end), so a truncated or foreign file is found
+    without loading the checkpoint.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {str(path)!r} is a folder, not a checkpoint file (pass e.g. {str(path / 'last.ckpt')!r})")
+    if not path.exists():
+        raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"{flag} {str(path)!r} cannot be read (permission denied)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            complete = any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        complete = False
+    if not complete:
+        raise ValueError(f"{flag} {str(path)!r} is not a readable PyTorch checkpoint (truncated, or not written by torch.save)")
+    return path

@@ -2,34 +2,33 @@
 
 ``StepCheckpoint`` writes ``step=N.ckpt`` every N optimizer steps and at the end of fit, and points
 ``last.ckpt`` at the newest one; ``CrashCheckpoint`` writes ``crash.ckpt`` when a single-process run
-stops on an exception (Ctrl-C, SIGTERM, an error). Neither ever writes non-finite weights (see
-:mod:`lm_systems.checkpoint_io`, whose ``SafeCheckpointIO`` writes every file atomically).
+stops on an exception (Ctrl-C, SIGTERM, an error). LitLM refuses to save non-finite weights, and
+:mod:`lm_systems.checkpoint_io`'s ``SafeCheckpointIO`` writes every file atomically.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import lightning.pytorch as L
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lm_systems.checkpoint_io import NonFiniteWeightsError, link_atomically, weights_are_finite
+from lm_systems.atomic_files import link_atomically
+from lm_systems.compat.lightning import LinkingModelCheckpoint
 from lm_systems.errors import WRITE_ERRNOS, RunError, os_error_in
 
 
-class StepCheckpoint(ModelCheckpoint):
+class StepCheckpoint(LinkingModelCheckpoint):
     """ModelCheckpoint keeping ``step=N.ckpt`` every ``every_n_train_steps`` (<= 0: none) and at the end of fit.
 
-    ``last.ckpt`` is a link to the newest file, replaced atomically (never a second copy). Before each
-    save, every rank checks its weights and all agree: non-finite weights stop the run with
-    :class:`NonFiniteWeightsError` on every rank, and nothing is written.
+    ``last.ckpt`` is a link to the newest file, replaced atomically (never a second copy).
     """
 
-    def __init__(self, every_n_train_steps: int = 0, dirpath: Optional[_PATH] = None) -> None:
+    def __init__(self, every_n_train_steps: int = 0, dirpath: Optional[Union[str, Path]] = None) -> None:
         super().__init__(
             dirpath=dirpath,
             filename="step={step}",
@@ -53,23 +52,10 @@ class StepCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
-        if not self._should_skip_saving_checkpoint(trainer):  # the final step, unless it was just saved
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+        self.save_step(trainer)  # the final step, unless it was just saved
 
     @override
-    def _save_checkpoint(self, trainer: "L.Trainer", filepath: str) -> None:
-        finite = weights_are_finite(trainer.lightning_module.parameters())
-        # Agreed across ranks so that all of them stop here together, none waiting in the save's collectives.
-        if not trainer.strategy.reduce_boolean_decision(finite, all=True):
-            raise NonFiniteWeightsError(trainer.global_step, filepath)
-        super()._save_checkpoint(trainer, filepath)
-        rank_zero_info(f"checkpoint saved: {filepath}")
-
-    @staticmethod
-    @override
-    def _link_checkpoint(trainer: "L.Trainer", filepath: str, linkpath: str) -> None:
+    def link_checkpoint(self, trainer: "L.Trainer", filepath: str, linkpath: str) -> None:
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             link_atomically(filepath, linkpath)
         trainer.strategy.barrier()
@@ -115,8 +101,3 @@ class CrashCheckpoint(Checkpoint):
     def _path(trainer: "L.Trainer") -> Optional[str]:
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
         return os.path.join(dirpath, CrashCheckpoint.FILENAME) if dirpath else None
-
-
-def checkpoint_callbacks(every_n_train_steps: int = 0, dirpath: Optional[_PATH] = None) -> list[L.Callback]:
-    """The checkpointing ``train.py`` adds: step files every N steps and at the end, ``last.ckpt``, ``crash.ckpt``."""
-    return [StepCheckpoint(every_n_train_steps, dirpath), CrashCheckpoint()]

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
-import typing
 import warnings
 from typing import Any, Optional, Union
 
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, ProgressBar
-from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -19,13 +18,13 @@ import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp,
 from callbacks.gc_freeze import GCFreeze
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from callbacks.throughput import MFUMonitor
-from lm_systems.checkpoint_io import SafeCheckpointIO
+from lm_systems.checkpoint_io import SafeCheckpointIO, require_checkpoint_file
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
+from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_names
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.config_files import check_config_files
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
-from lm_systems.generate import require_checkpoint_file
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
 from lm_systems.resume import RunConfigRecord, SavedSettings
@@ -95,8 +94,11 @@ class RunConfigFile(SaveConfigCallback):
             super().setup(trainer, pl_module, stage)
 
 
-class LMCLI(LightningCLI):
-    """LightningCLI with short trainer flags, step checkpoints, run folders and checks at the door."""
+class LMCLI(CommandLineOverCheckpointCLI):
+    """LightningCLI with short trainer flags, step checkpoints, run folders and checks at the door.
+
+    A ``--ckpt_path``'s saved settings go *under* the command line (``parse_arguments``, :mod:`lm_systems.resume`):
+    its base leaves out LightningCLI's parsing of them over it."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         group = parser.add_argument_group("Short forms of common --trainer.* flags")
@@ -120,16 +122,16 @@ class LMCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
-        if self._subcommand_config().get("debug"):
+        if _subcommand_part(self.config).get("debug"):
             request_debug()
         # Checked here, before Lightning reads the checkpoint or builds anything.
         try:
-            ckpt_path, saved = self._subcommand_config().get("ckpt_path"), None
+            ckpt_path, saved = _subcommand_part(self.config).get("ckpt_path"), None
             if ckpt_path not in (None, "last", "best", "hpc", "registry"):  # Lightning's own names
                 require_checkpoint_file(ckpt_path, "--ckpt_path")
                 saved = SavedSettings(ckpt_path)
                 self.config = saved.under(parser, args, self.config)
-            config = self._subcommand_config()
+            config = _subcommand_part(self.config)
             for name in SHORT_FLAGS:
                 if config.get(name) is not None:
                     config.trainer[name] = config[name]
@@ -142,10 +144,6 @@ class LMCLI(LightningCLI):
         except (ValueError, OSError) as error:
             parser.error(str(error))
 
-    def _parse_ckpt_path(self) -> None:
-        """Nothing: LightningCLI's (a private method) parses the checkpoint's hyperparameters over the command line;
-        ``parse_arguments`` has already put them under it (:mod:`lm_systems.resume`)."""
-
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -155,7 +153,7 @@ class LMCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """Lightning's trainer with this project's checkpointing, progress bar and checkpoint writer, wherever the
         configuration does not bring its own."""
-        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        trainer_config = {**_subcommand_part(self.config_init).get("trainer", {}), **kwargs}
         callbacks = trainer_config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
         if trainer_config.get("enable_checkpointing") is not False:
@@ -164,19 +162,19 @@ class LMCLI(LightningCLI):
             # Redrawn on logged steps only: a rich redraw per step cost the lent GPU hosts more time than Lightning's
             # whole step (benchmarks/results/train_step.md).
             refresh_rate = trainer_config.get("log_every_n_steps") or 1
-            bar = StepsProgressBar if _RICH_AVAILABLE else StepsTQDMProgressBar
+            bar = StepsProgressBar if _rich_installed() else StepsTQDMProgressBar
             callbacks.append(bar(refresh_rate=refresh_rate))
         plugins = trainer_config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
         # After the progress bar: the summary prints once the bar has stopped.
-        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(self._subcommand_config()), RunSummary()]
+        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(_subcommand_part(self.config)), RunSummary()]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
 
     def _checkpoint_callbacks(self, configured: list[Any]) -> list[Checkpoint]:
-        interval = self._get(self.config, "checkpointing_interval", default=0)
+        interval = _subcommand_part(self.config).get("checkpointing_interval", 0)
         added: list[Checkpoint] = []
         if not _has(configured, ModelCheckpoint):
             added.append(StepCheckpoint(interval))
@@ -187,10 +185,6 @@ class LMCLI(LightningCLI):
             )
         added.append(CrashCheckpoint())
         return added
-
-    def _subcommand_config(self) -> Any:
-        subcommand = self.config.get("subcommand")
-        return self.config[subcommand] if subcommand else self.config
 
     @staticmethod
     def _log_into_the_checkpoints_run(config: Any) -> None:
@@ -220,6 +214,16 @@ def _logs_under_default_root_dir(trainer: Any) -> None:
         logger.init_args.save_dir = os.path.join(root, default["init_args"]["save_dir"])
 
 
+def _subcommand_part(config: Any) -> Any:
+    """The part of a parsed (or instantiated) configuration that belongs to its subcommand (``fit``), or all of it."""
+    subcommand = config.get("subcommand")
+    return config[subcommand] if subcommand else config
+
+
+def _rich_installed() -> bool:
+    return importlib.util.find_spec("rich") is not None
+
+
 def _has(items: list[Any], kind: type) -> bool:
     return any(isinstance(item, kind) for item in items)
 
@@ -227,7 +231,6 @@ def _has(items: list[Any], kind: type) -> bool:
 def check_trainer_choices(trainer: Any) -> None:
     """Strategy, precision and accelerator names, checked like a typed flag: an unknown one lists the valid ones;
     and the device count."""
-    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -235,7 +238,7 @@ def check_trainer_choices(trainer: Any) -> None:
     lightnings = [name for name in StrategyRegistry.available_strategies() if name not in ours]
     choices = {
         "strategy": ["auto", *ours, *lightnings],
-        "precision": [str(value) for literal in typing.get_args(_PRECISION_INPUT) for value in typing.get_args(literal)],
+        "precision": precision_names(),
         "accelerator": ["auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators())],
     }
     for name, valid in choices.items():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from lm_systems.attention import attention_names
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -23,6 +25,10 @@ class ModelConfig:
     """Attention implementation by name (``lm_systems.attention.attention_names()``)."""
 
     def __post_init__(self) -> None:
+        if self.attention not in attention_names():  # checked here only: the model and the registry trust it
+            raise ValueError(
+                f"unknown attention {self.attention!r} (set --model.attention to one of: {', '.join(attention_names())})"
+            )
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--model.{name} must be positive, got {getattr(self, name)}")

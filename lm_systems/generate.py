@@ -8,42 +8,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
-import zipfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 from tokenizers import Tokenizer
 
+from lm_systems.checkpoint_io import require_checkpoint_file
 from lm_systems.errors import DEBUG_ENV, reported_errors, request_debug
 from lm_systems.lit_module import LitLM
 from lm_systems.model import TransformerLM
 from lm_systems.sampling import sample_text
-
-
-def require_checkpoint_file(path: str | Path, flag: str) -> Path:
-    """``path`` as a Path if it holds a whole PyTorch checkpoint; otherwise an error naming ``flag``.
-
-    Reads only the zip's central directory (at the file's end), so a truncated or foreign file is found
-    without loading the checkpoint.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"{flag} {str(path)!r} is a folder, not a checkpoint file (pass e.g. {str(path / 'last.ckpt')!r})")
-    if not path.exists():
-        raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
-    if not os.access(path, os.R_OK):
-        raise PermissionError(f"{flag} {str(path)!r} cannot be read (permission denied)")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            complete = any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
-    except (zipfile.BadZipFile, OSError):
-        complete = False
-    if not complete:
-        raise ValueError(f"{flag} {str(path)!r} is not a readable PyTorch checkpoint (truncated, or not written by torch.save)")
-    return path
 
 
 NEWEST = "last"

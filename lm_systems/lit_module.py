@@ -12,12 +12,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from lm_systems.attention import describe_attention, resolve_attention_name
+from lm_systems.attention import describe_attention
+from lm_systems.compat.lightning import attached_trainer, logs_this_step
+from lm_systems.compat.torch import skip_step_on_device, unscales_in_step
 from lm_systems.config import ModelConfig
 from lm_systems.data.tokenizer import tokenizer_mismatch
 from lm_systems.errors import InputError
 from lm_systems.model import TransformerLM
-from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy, divergence_advice
+from lm_systems.nonfinite import (NonFiniteGuard, NonFinitePolicy, NonFiniteWeightsError, divergence_advice,
+                                  weights_are_finite)
 from lm_systems.optim import adamw_param_groups, make_adamw
 from lm_systems.run_logger import log_text
 from lm_systems.sampling import sample_text
@@ -91,8 +94,8 @@ class LitLM(L.LightningModule):
                 "need model.lr > 0, 0 <= model.min_lr_ratio <= 1 and model.warmup_steps >= 0, got "
                 f"{lr}, {min_lr_ratio}, {warmup_steps}"
             )
-        resolve_attention_name(attention)
-        # Validates the size and every override now, even while the vocabulary is still unknown.
+        # Validates the size and every override (the attention's name included) now, even while the vocabulary is
+        # still unknown.
         self._config = ModelConfig.from_name(
             size, context_length=context_length, d_model=d_model, num_layers=num_layers,
             num_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta, attention=attention, vocab_size=vocab_size,
@@ -171,7 +174,8 @@ class LitLM(L.LightningModule):
         """Per block where gradients are reduced across processes, so that each block's are ready as its backward
         ends; else the whole model, whose one graph launches its kernels with less host work per step (unless
         ``compile`` names one of the two)."""
-        across_processes = self._trainer is not None and self._trainer.world_size > 1
+        trainer = attached_trainer(self)
+        across_processes = trainer is not None and trainer.world_size > 1
         if self.hparams.compile == "blocks" or (self.hparams.compile is True and across_processes):
             self.model.compile_blocks()
         else:
@@ -250,7 +254,7 @@ class LitLM(L.LightningModule):
     def _logs_this_step(self) -> bool:
         """Whether Lightning logs the optimizer step now running (every ``log_every_n_steps``, and the last);
         the same answer from ``training_step`` through ``on_train_batch_end``."""
-        return self.trainer._logger_connector.should_update_logs
+        return logs_this_step(self.trainer)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
@@ -267,7 +271,7 @@ class LitLM(L.LightningModule):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         log_now = self._logs_this_step()
         needs_norm = bool(gradient_clip_val) or log_now or self._nonfinite.policy == "skip"
-        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if scaler is not None and unscales_in_step(optimizer):
             # 16-mixed: the optimizer would unscale in step(); the norm needs it now, and a sharding scaler
             # agrees on overflow across ranks only in unscale_.
             scaler.unscale_(optimizer)
@@ -292,8 +296,8 @@ class LitLM(L.LightningModule):
 
     @staticmethod
     def _skip_update_if(bad: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            optimizer.found_inf = bad.float()  # fused AdamW skips its update on the device: no host sync
+        if unscales_in_step(optimizer):
+            skip_step_on_device(optimizer, bad)  # fused AdamW skips its update on the device: no host sync
         elif bad:  # other optimizers: one host sync; parameters without gradients are not updated
             optimizer.zero_grad(set_to_none=True)
 
@@ -331,13 +335,17 @@ class LitLM(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A run resumed by a Trainer must tokenize its data as the checkpoint's run did."""
-        tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None)
+        tokenizer = getattr(getattr(attached_trainer(self), "datamodule", None), "tokenizer", None)
         mismatch = tokenizer_mismatch(checkpoint.get("tokenizer"), tokenizer.to_str() if tokenizer else None)
         if mismatch is not None:
             raise InputError(mismatch)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._nonfinite.check(self._nonfinite_advice())  # never a checkpoint of weights that went non-finite
+        """Every checkpoint passes here, on every rank, before it is written: none is written of weights that went
+        non-finite (the ranks agree, so that all of them stop together, none waiting in the save's collectives)."""
+        self._nonfinite.check(self._nonfinite_advice())
+        if not self.trainer.strategy.reduce_boolean_decision(weights_are_finite(self.parameters()), all=True):
+            raise NonFiniteWeightsError(self.trainer.global_step)
         checkpoint["model_config"] = asdict(self.config)
         tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
         if tokenizer is not None:

@@ -1,8 +1,10 @@
-"""NonFiniteGuard: notices non-finite losses and gradient norms without a host sync on the steps that are fine."""
+"""Non-finite values in training: NonFiniteGuard notices non-finite losses and gradient norms without a host sync on the
+steps that are fine; ``weights_are_finite`` is the check before a checkpoint is written."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+import math
+from typing import Iterable, Literal, Optional
 
 import torch
 
@@ -21,6 +23,23 @@ def divergence_advice(lr: Optional[float] = None) -> str:
 
 class NonFiniteTrainingError(RunError):
     """Training produced a non-finite loss or gradient norm and was stopped."""
+
+
+class NonFiniteWeightsError(RunError):
+    """A checkpoint was not written because the weights hold NaN or inf."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(
+            f"the weights are not finite (NaN or inf) at step {step}: no checkpoint of them was written and the "
+            f"previous checkpoints (last.ckpt included) are kept. Training diverged: {divergence_advice()}"
+        )
+
+
+def weights_are_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when no floating-point tensor holds NaN or inf: one fused max-abs pass per device and dtype, one sync."""
+    floating = [t.detach() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    # The inf-norm is a max |x|: it never overflows, and NaN propagates through it.
+    return bool(torch.nn.utils.get_total_norm(floating, norm_type=math.inf, foreach=True).isfinite())
 
 
 class NonFiniteGuard:

@@ -7,16 +7,17 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.tensorboard.summary import hparams
 from typing_extensions import override
 
+from lm_systems.compat.lightning import VersionClaimingTensorBoardLogger, is_local_path
+
 _RUN_CHECKPOINT = re.compile(r"^version_(\d+)$")
 
 
-class RunLogger(TensorBoardLogger):
+class RunLogger(VersionClaimingTensorBoardLogger):
     """TensorBoardLogger that claims its ``version_N`` folder, shows the hyperparameters against validation loss
     and leaves out the ``epoch`` chart.
 
@@ -44,9 +45,8 @@ class RunLogger(TensorBoardLogger):
         self._hp_metric = hp_metric
 
     @override
-    def _get_next_version(self) -> int:
-        version = super()._get_next_version()
-        if rank_zero_only.rank != 0 or not _is_local_file_protocol(self.root_dir):
+    def claim_version(self, version: int) -> int:
+        if rank_zero_only.rank != 0 or not is_local_path(self.root_dir):
             return version  # other ranks read rank 0's folder (Lightning broadcasts it); remote stores list
         os.makedirs(self.root_dir, exist_ok=True)
         while True:

@@ -4,7 +4,8 @@ They subclass Lightning's DDPStrategy, so process-group setup, the launchers (po
 spawn), cluster environments (torchrun, SLURM), ``num_nodes``, distributed samplers and ``sync_dist``
 logging are Lightning's own. What changes is the model wrapper and where gradients get averaged:
 
-- ``_setup_model`` wraps the LightningModule in the container (which broadcasts rank 0's weights);
+- ``wrap_model`` wraps the LightningModule in the container (which broadcasts rank 0's weights), and torch
+  DDP's hooks are left out (:class:`lm_systems.compat.lightning.ModelWrappingDDPStrategy`);
 - ``block_backward_sync`` enters the container's ``no_sync()``, so non-boundary micro-batches of gradient
   accumulation communicate nothing;
 - ``post_backward`` calls ``finish_gradient_synchronization()`` after a syncing backward, before the
@@ -34,21 +35,20 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from torch.nn import Module
 from typing_extensions import override
 
-from lm_systems.parallel import (DataParallelModule, DDPBucketed, DDPIndividualParameters, NaiveDDP,
+from lm_systems.compat.lightning import ModelWrappingDDPStrategy
+from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP,
                                  gradient_process_group)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ContainerDDPStrategy(DDPStrategy):
+class ContainerDDPStrategy(ModelWrappingDDPStrategy):
     """Base: a DDPStrategy whose model wrapper is a container from ``lm_systems.parallel``."""
 
     strategy_name: ClassVar[str]
@@ -94,17 +94,11 @@ class ContainerDDPStrategy(DDPStrategy):
         """The container this strategy trains through; ``comm`` goes to its constructor."""
 
     @override
-    def _setup_model(self, model: Module) -> DataParallelModule:
+    def wrap_model(self, model: Module) -> DataParallelModule:
         own_group = self._comm_high_priority or self._comm_max_ctas is not None
         if own_group and self._grad_group is None:  # None unless the backend is NCCL
             self._grad_group = gradient_process_group(self._comm_high_priority, self._comm_max_ctas)
         return self.wrap(model, process_group=self._grad_group, grad_comm_dtype=self._grad_comm_dtype)
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        # DDPStrategy's version asserts a torch DistributedDataParallel model on CUDA; the container
-        # registered its own gradient hooks when it was built.
-        pass
 
     @contextmanager
     @override
@@ -132,7 +126,7 @@ class ContainerDDPStrategy(DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         for suffix, start_method in (("", "popen"), ("_spawn", "spawn")):
             name = cls.strategy_name + suffix
             if name not in strategy_registry:
@@ -169,18 +163,18 @@ class OverlapDDPStrategy(LaunchThreadDDPStrategy):
     """Launches each parameter's gradient all-reduce during backward, as soon as the gradient is ready."""
 
     strategy_name = "overlap_ddp"
-    strategy_description = "DDPIndividualParameters: per-parameter all-reduce overlapped with backward"
+    strategy_description = "PerParameterDDP: per-parameter all-reduce overlapped with backward"
 
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
-        return DDPIndividualParameters(module, launch_thread=self._launch_thread, **comm)
+        return PerParameterDDP(module, launch_thread=self._launch_thread, **comm)
 
 
 class BucketedDDPStrategy(LaunchThreadDDPStrategy):
     """Bucketed gradient all-reduce overlapped with backward; ``bucket_size_mb`` caps each bucket."""
 
     strategy_name = "bucketed_ddp"
-    strategy_description = "DDPBucketed: bucketed all-reduce overlapped with backward"
+    strategy_description = "BucketedDDP: bucketed all-reduce overlapped with backward"
 
     def __init__(self, bucket_size_mb: float = 25.0, **kwargs: Any) -> None:
         if bucket_size_mb <= 0:
@@ -190,4 +184,4 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
 
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
-        return DDPBucketed(module, bucket_size_mb=self._bucket_size_mb, launch_thread=self._launch_thread, **comm)
+        return BucketedDDP(module, bucket_size_mb=self._bucket_size_mb, launch_thread=self._launch_thread, **comm)

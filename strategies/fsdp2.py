@@ -8,14 +8,15 @@ from typing import Any, Optional
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from typing_extensions import override
+
+from lm_systems.compat.lightning import DataParallelMeshStrategy
 
 BF16_PRECISIONS = ("bf16-mixed", "bf16-true")
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(DataParallelMeshStrategy):
     """Lightning's ModelParallelStrategy (data parallel only) with FSDP2 applied by the strategy itself:
     ``fully_shard`` on each Transformer block, then on the whole model, so a LitLM trains under it unchanged.
 
@@ -40,12 +41,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         # (drawn from the device's generator), and no initialisation of a large model on the host first.
         with torch.device(self.root_device), super().tensor_init_context(empty_init):
             yield
-
-    @override
-    def setup_environment(self) -> None:
-        # Every process a data-parallel rank ("auto" would make data parallelism span nodes only).
-        self._data_parallel_size = self.num_processes * self.num_nodes
-        super().setup_environment()
 
     @override
     def setup(self, trainer: L.Trainer) -> None:

@@ -30,7 +30,7 @@ class Zero1Strategy(BucketedDDPStrategy):
     """
 
     strategy_name = "zero1"
-    strategy_description = "ZeRO-1: DDPBucketed gradients, ShardedOptimizer state"
+    strategy_description = "ZeRO-1: BucketedDDP gradients, ShardedOptimizer state"
 
     def __init__(self, bucket_size_mb: float = 25.0, exchange: Exchange = "p2p", exchange_stages: int = 4,
                  comm_high_priority: bool = True, **kwargs: Any) -> None:

@@ -7,7 +7,6 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -17,6 +16,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lm_systems.compat.lightning import optimizer_to_device
+from lm_systems.compat.torch import overflow_flags
 from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
 from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
 
@@ -91,7 +92,7 @@ class Zero3Strategy(ContainerDDPStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         if self._sharded is None:
             return super().optimizer_state(optimizer)
         state = self._sharded.full_optimizer_state_dict(optimizer)  # a collective: Lightning asks every rank
@@ -104,7 +105,7 @@ class Zero3Strategy(ContainerDDPStrategy):
             return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             self._sharded.load_full_optimizer_state_dict(optimizer, state)
-            _optimizer_to_device(optimizer, self.root_device)
+            optimizer_to_device(optimizer, self.root_device)
 
 
 class _ScalarFlagShardedGradScaler(ShardedGradScaler):
@@ -114,6 +115,6 @@ class _ScalarFlagShardedGradScaler(ShardedGradScaler):
     @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
-        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        flags = overflow_flags(self, optimizer)
         for device, flag in flags.items():
             flags[device] = flag.reshape(())

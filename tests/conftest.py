@@ -21,8 +21,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lm_systems.parallel.ports import free_port
-
 REPO = Path(__file__).resolve().parents[1]
 
 # Must be set before triton is imported anywhere, so CPU runs can exercise the kernels.
@@ -73,7 +71,10 @@ def cache_dir(tmp_path_factory) -> Path:
 def _spawn_two_ranks(worker, out_dir, *args) -> None:
     """Run ``worker(rank, 2, port, str(out_dir), *args)`` on two spawned processes; a failure in either fails the
     test. The worker creates its process group (with a timeout) and destroys it."""
-    mp.spawn(worker, args=(2, free_port(), str(out_dir), *args), nprocs=2, join=True)
+    # Imported here: Lightning imports triton, which must see TRITON_INTERPRET (set above) first.
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    mp.spawn(worker, args=(2, find_free_network_port(), str(out_dir), *args), nprocs=2, join=True)
 
 
 @pytest.fixture(scope="session")

@@ -13,30 +13,26 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from lm_systems.checkpoint_io import NonFiniteWeightsError, SafeCheckpointIO
-from lm_systems.checkpointing import checkpoint_callbacks
+from lm_systems.checkpoint_io import SafeCheckpointIO
+from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
+from lm_systems.lit_module import LitLM
+from lm_systems.nonfinite import NonFiniteWeightsError
 
 ADVICE = ("--model.lr", "--trainer.gradient_clip_val", "bf16-mixed")
 
 
-class TinyRegression(L.LightningModule):
+class TinyLM(LitLM):
+    """A one-layer LitLM on random token windows, which it brings itself (no datamodule, no tokenizer)."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        super().__init__(size="tiny", vocab_size=32, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=32,
+                         sample_prompt="")
 
     def train_dataloader(self):
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(256, 4, generator=generator)
-        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+        tokens = torch.randint(0, 32, (256, 9), generator=torch.Generator().manual_seed(0))  # (B, T + 1) windows
+        return DataLoader(tokens, batch_size=4)
 
 
 class AtStep(L.Callback):
@@ -52,7 +48,7 @@ class AtStep(L.Callback):
 
 def poison(module: L.LightningModule) -> None:
     with torch.no_grad():
-        module.layer.weight[0, 1] = float("nan")
+        next(module.parameters())[0, 1] = float("nan")
 
 
 def fail(module: L.LightningModule) -> None:
@@ -62,9 +58,9 @@ def fail(module: L.LightningModule) -> None:
 def fit(tmp_path: Path, max_steps: int, interval: int, callbacks: tuple[L.Callback, ...] = ()) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[*callbacks, *checkpoint_callbacks(interval, dirpath=str(tmp_path))], plugins=[SafeCheckpointIO()],
+        callbacks=[*callbacks, StepCheckpoint(interval, dirpath=str(tmp_path)), CrashCheckpoint()], plugins=[SafeCheckpointIO()],
     )
-    trainer.fit(TinyRegression())
+    trainer.fit(TinyLM())
     return trainer
 
 
@@ -82,7 +78,7 @@ def test_step_files_every_interval_and_at_the_end_with_last_as_a_link(tmp_path):
 
 def test_non_finite_weights_stop_the_run_and_last_stays_the_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteWeightsError, match="step 4") as error:
-        fit(tmp_path, max_steps=8, interval=2, callbacks=(AtStep(3, poison),))
+        fit(tmp_path, max_steps=8, interval=2, callbacks=(AtStep(4, poison),))  # after step 4, before its save
     for advice in ADVICE:
         assert advice in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"], "no crash.ckpt, no step=4.ckpt"
@@ -105,15 +101,15 @@ def test_an_exception_after_divergence_writes_no_crash_ckpt(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"]
 
 
-def test_checkpoint_io_refuses_non_finite_weights_and_keeps_the_file_there(tmp_path):
-    path = tmp_path / "step.ckpt"
-    io = SafeCheckpointIO()
-    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 6}, path)
-    for bad in (float("nan"), float("inf")):
-        with pytest.raises(NonFiniteWeightsError, match="step 7"):
-            io.save_checkpoint({"state_dict": {"w": torch.tensor([1.0, bad]).bfloat16()}, "global_step": 7}, path)
-    assert step_of(path) == 6
-    assert [p.name for p in tmp_path.iterdir()] == ["step.ckpt"], "no temporary file is left behind"
+def test_no_checkpoint_of_non_finite_weights_is_written_by_any_path(tmp_path):
+    """The check is LitLM's, before any writer: a checkpoint asked for by hand is refused too."""
+    trainer = fit(tmp_path, max_steps=2, interval=0)
+    poison(trainer.lightning_module)
+    for bad_path in (tmp_path / "by_hand.ckpt", tmp_path / "last.ckpt"):
+        with pytest.raises(NonFiniteWeightsError, match="step 2"):
+            trainer.save_checkpoint(bad_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"], "no file, no temporary file"
+    assert os.readlink(tmp_path / "last.ckpt") == "step=2.ckpt"
 
 
 WRITER = textwrap.dedent("""

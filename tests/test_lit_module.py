@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lm_systems.checkpoint_io import SafeCheckpointIO
-from lm_systems.checkpointing import checkpoint_callbacks
+from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.generate import load_checkpoint
@@ -32,7 +32,7 @@ def trainer(tmp_path: Path, max_steps: int, interval: int = 0, **kwargs) -> L.Tr
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, val_check_interval=max_steps,
         check_val_every_n_epoch=None, gradient_clip_val=1.0,
-        callbacks=checkpoint_callbacks(interval, dirpath=str(tmp_path / "ckpt")), plugins=[SafeCheckpointIO()],
+        callbacks=[StepCheckpoint(interval, dirpath=str(tmp_path / "ckpt")), CrashCheckpoint()], plugins=[SafeCheckpointIO()],
     )
     return L.Trainer(**{**defaults, **kwargs})
 

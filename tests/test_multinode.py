@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from lm_systems.parallel.ports import free_port
 from run_record import load_records, replay
 
 
@@ -31,7 +31,7 @@ def torchrun_environment(node_rank: int, port: int) -> dict[str, str]:
      ("bucketed_ddp", lightning_environment), ("zero1", lightning_environment), ("bucketed_ddp", torchrun_environment)],
 )
 def test_two_nodes_train_to_equal_replicas_and_one_checkpoint(strategy, environment, tmp_path, train_py):
-    port = free_port()
+    port = find_free_network_port()
     args = [*train_py.tiny, "--strategy", strategy, "--accelerator", "cpu", "--num_nodes", "2", "--devices", "1",
             "--max_steps", "3", "--data.val_batches", "2", "--trainer.val_check_interval", "2",
             "--trainer.callbacks+=tests.run_record.RecordRun", f"--trainer.callbacks.out_dir={tmp_path}"]

@@ -30,8 +30,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PREPROCESS_BLOCK = 64  # rows per program of the memory-bound D = rowsum(dO ∘ O) kernel
 # Grid order: heads-first grids (B·H, tiles) launch the longest causal tiles of every head first, so
 # the tail of a launch holds only short programs; tiles-first grids (tiles, B·H) keep fewer heads' K and
-# V in flight, which pays at d = 128. A/B on an H100 (benchmarks/results/attention_grid_order.md):
-# heads-first 3% faster fwd+bwd at B1 H16 N16384 d64 (fwd 6%), 1% slower at d128 (fwd 7%).
+# V in flight, which pays at d = 128 (an A/B of the two orders on an H100 set the threshold).
 HEADS_FIRST_MAX_HEAD_DIM = 64
 
 

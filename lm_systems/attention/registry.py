@@ -42,22 +42,19 @@ def attention_names() -> list[str]:
 
 def resolve_attention_name(name: str, query: torch.Tensor | None = None) -> str:
     """Map ``auto`` to its choice for ``query`` where it runs (eager or inside torch.compile); without a query,
-    to the eager choice. Check other names."""
+    to the eager choice. Other names are returned as they are."""
     if name == "auto":
         if query is not None and torch.compiler.is_compiling():
             for candidate, takes in _AUTO_WHEN_COMPILED:
                 if takes(query):
                     return candidate
         return _AUTO
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown attention {name!r} (set --model.attention to one of: {', '.join(attention_names())})"
-        )
     return name
 
 
 def get_attention(name: str, query: torch.Tensor | None = None) -> AttentionFn:
-    """The attention function registered as ``name`` (``auto`` resolved for ``query``)."""
+    """The attention function registered as ``name`` (``auto`` resolved for ``query``); a name not in
+    ``attention_names()`` is a KeyError (``ModelConfig`` checks the model's, with the names to choose from)."""
     return _REGISTRY[resolve_attention_name(name, query)]
 
 

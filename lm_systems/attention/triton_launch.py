@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import triton
+
+from lm_systems.compat.triton import compiled_kernel, launch_compiled
 
 # Triton specializes a pointer argument on whether its address is a multiple of 16 bytes.
 POINTER_ALIGNMENT = 16
@@ -31,11 +32,6 @@ def _argument_key(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.dtype, value.device, value.data_ptr() % POINTER_ALIGNMENT == 0
     return value
-
-
-def _three_dimensional(grid: tuple) -> tuple[int, int, int]:
-    """A compiled kernel's launcher takes all three grid dimensions; Triton's own path pads them with 1."""
-    return (*grid, 1, 1)[:3]
 
 
 class CachedLaunch:
@@ -63,12 +59,12 @@ class CachedLaunch:
             self._launch_through_triton(key, grid, args, kwargs)
             return
         compiled, tail, meta = cached
-        compiled[_three_dimensional(grid(meta) if callable(grid) else grid)](*args, *tail)
+        launch_compiled(compiled, grid(meta) if callable(grid) else grid, (*args, *tail))
 
     def _launch_through_triton(self, key: tuple, grid, args: tuple, kwargs: dict) -> None:
-        compiled = self.kernel[grid](*args, **kwargs)
+        compiled = compiled_kernel(self.kernel[grid](*args, **kwargs))
         config = getattr(self.kernel, "best_config", None)
-        if not isinstance(compiled, triton.compiler.CompiledKernel) or len(self._launches) >= MAX_KEYS:
+        if compiled is None or len(self._launches) >= MAX_KEYS:
             return  # the interpreter compiles nothing; past MAX_KEYS every new key takes this path
         if config is not None and config.pre_hook is not None:
             return  # a pre-hook must run before each launch: leave it to Triton

@@ -1,47 +1,13 @@
-"""Cache plumbing shared by the data pipeline: atomic writes, fingerprints, a lock across processes."""
+"""Cache plumbing shared by the data pipeline: fingerprints, file identities, a lock across processes."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from filelock import FileLock
-
-from lm_systems.errors import os_error_in
-
-
-@contextlib.contextmanager
-def atomic_write_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds.
-
-    A crash (or Ctrl-C) mid-write leaves a ``*.tmp-*`` file that nothing reads, never a half-written
-    ``path`` that a later run would trust. The rename is atomic on POSIX within one filesystem. An OSError
-    (a full disk: torch.save raises a RuntimeError while handling it) is raised again naming ``path``.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as error:
-        cause = os_error_in(error)
-        if cause is None or cause.filename is not None:
-            raise
-        raise OSError(cause.errno, cause.strerror, str(path)) from error
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def write_json_atomic(path: str | Path, value: Any) -> None:
-    with atomic_write_path(path) as tmp:
-        tmp.write_text(json.dumps(value, indent=2, sort_keys=True))
 
 
 def fingerprint(value: Any, length: int = 16) -> str:

@@ -1,8 +1,8 @@
 """Data parallelism in plain torch.distributed (no Lightning): gradient-averaging containers, ZeRO-1 and ZeRO-3.
 
 - ``NaiveDDP(module, flat=False)``: all-reduce after backward, per parameter or flattened.
-- ``DDPIndividualParameters(module)``: per-parameter async all-reduce launched during backward.
-- ``DDPBucketed(module, bucket_size_mb)``: bucketed async all-reduce, gradients as bucket views.
+- ``PerParameterDDP(module)``: per-parameter async all-reduce launched during backward.
+- ``BucketedDDP(module, bucket_size_mb)``: bucketed async all-reduce, gradients as bucket views.
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
 - ``FullyShardedDataParallel(module, compute_dtype=None, unit_types=None)``: parameters, gradients and optimizer
   state sharded over ranks (ZeRO stage 3), each unit gathered just before its forward and its backward.
@@ -10,20 +10,20 @@
 """
 
 from lm_systems.parallel.base import DataParallelModule
-from lm_systems.parallel.bucketed import DDPBucketed, assign_buckets
+from lm_systems.parallel.bucketed import BucketedDDP, assign_buckets
 from lm_systems.parallel.collectives import gradient_process_group
 from lm_systems.parallel.fully_sharded import FullyShardedDataParallel
 from lm_systems.parallel.naive import NaiveDDP
-from lm_systems.parallel.overlap import DDPIndividualParameters, OverlappedDDP
+from lm_systems.parallel.overlap import OverlappedDDP, PerParameterDDP
 from lm_systems.parallel.sharded_optimizer import ShardedOptimizer, optimizer_init_kwargs
 
 __all__ = [
-    "DDPBucketed",
-    "DDPIndividualParameters",
+    "BucketedDDP",
     "DataParallelModule",
     "FullyShardedDataParallel",
     "NaiveDDP",
     "OverlappedDDP",
+    "PerParameterDDP",
     "ShardedOptimizer",
     "assign_buckets",
     "gradient_process_group",

@@ -20,7 +20,7 @@ class DataParallelModule(nn.Module, ABC):
 
     Usage, on every rank::
 
-        model = DDPBucketed(model, bucket_size_mb=25)
+        model = BucketedDDP(model, bucket_size_mb=25)
         loss_fn(model(x), y).backward()
         model.finish_gradient_synchronization()   # .grad now holds the mean over ranks
         optimizer.step()

@@ -1,4 +1,4 @@
-"""DDPBucketed: gradients averaged in buckets, each bucket's all-reduce started as soon as its gradients are in."""
+"""BucketedDDP: gradients averaged in buckets, each bucket's all-reduce started as soon as its gradients are in."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[li
     return [bucket for _, bucket in sorted(full, key=lambda entry: entry[0])]
 
 
-class DDPBucketed(OverlappedDDP):
+class BucketedDDP(OverlappedDDP):
     """Buckets of gradients, in reverse parameter order, each at most ``bucket_size_mb``, averaged asynchronously.
 
     A bucket's all-reduce starts once autograd has accumulated every gradient in it, and averages

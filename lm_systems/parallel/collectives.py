@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lm_systems.compat.torch import foreach_copy_, foreach_div_
+
 
 def require_process_group(who: str) -> None:
     """Raise a clear error when torch.distributed has not been initialised."""
@@ -31,9 +33,9 @@ class PendingAverage:
         """Wait, then return the averaged tensors (the ones given to ``GradientAverager.start``)."""
         self._work.wait()
         if self._divisor is not None:
-            torch._foreach_div_(self._sent, self._divisor)
+            foreach_div_(self._sent, self._divisor)
         if self._sent is not self._targets:
-            torch._foreach_copy_(self._targets, self._sent)
+            foreach_copy_(self._targets, self._sent)
         return self._targets
 
 

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lm_systems.compat.torch import (queue_end_of_backward, set_module_parameter, tree_flatten, tree_map,
+                                     tree_unflatten)
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.collectives import GradPresence
 from lm_systems.parallel.sharded_unit import PendingReduction, ShardedParam, ShardedUnit, shard_rows
@@ -158,7 +159,7 @@ class FullyShardedDataParallel(DataParallelModule):
 
     def _pre_backward(self, unit: ShardedUnit) -> None:
         if not self._end_of_backward_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
             self._end_of_backward_queued = True
         unit.gather()
         order = self._forward_order
@@ -313,7 +314,7 @@ class FullyShardedDataParallel(DataParallelModule):
             for param, value in zip(unit.params, unit.gather_masters()):
                 restored = nn.Parameter(value, requires_grad=param.shard.requires_grad)
                 for module, name in param.slots:
-                    module._parameters[name] = restored
+                    set_module_parameter(module, name, restored)
         self._units, self._sharded = [], {}
         self._replicated = [p for p in self.module.parameters() if p.requires_grad]
         self._presence = GradPresence(self._replicated, self.process_group) if self._replicated else None

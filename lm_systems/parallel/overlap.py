@@ -155,7 +155,7 @@ class OverlappedDDP(DataParallelModule):
         self._zeros.clear()
 
 
-class DDPIndividualParameters(OverlappedDDP):
+class PerParameterDDP(OverlappedDDP):
     """Launches an async all-reduce of each gradient, in place in ``.grad``, as soon as it is accumulated."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,

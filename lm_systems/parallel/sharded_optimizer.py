@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lm_systems.parallel.collectives import require_process_group
-from lm_systems.parallel.runs import cut_into_runs
+from lm_systems.parallel.stages import cut_into_stages
 from lm_systems.parallel.staged_optimizer import StagedOptimizer
 
 Exchange = Literal["p2p", "broadcast"]
@@ -82,7 +82,7 @@ class ShardedOptimizer(StagedOptimizer):
             self._load[rank] += param.numel()
         for rank in range(self.world_size):
             shard = [p for p in params if self._owner[id(p)] == rank]
-            for param, stage in zip(shard, cut_into_runs([p.numel() for p in shard], self._num_stages)):
+            for param, stage in zip(shard, cut_into_stages([p.numel() for p in shard], self._num_stages)):
                 self._stage_of[id(param)] = stage
         for param in params:
             self._stage_params[self._stage_of[id(param)]].append(param)

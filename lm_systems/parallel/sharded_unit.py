@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lm_systems.compat.torch import set_module_parameter
+
 # torch 2.13 renamed the flat collectives (the old names warn as deprecated); older releases have only those.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -131,7 +133,7 @@ class ShardedUnit:
     def _install(self, full: bool) -> None:
         for param in self.params:
             for module, name in param.slots:
-                module._parameters[name] = param.full if full else param.shard
+                set_module_parameter(module, name, param.full if full else param.shard)
 
     # -- gathering ---------------------------------------------------------------------------
 

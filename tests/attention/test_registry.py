@@ -57,9 +57,7 @@ def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_qu
     assert describe_attention("auto", compiled=False) == "sdpa" and describe_attention("naive", True) == "naive"
 
 
-def test_unknown_name_lists_valid_ones_and_duplicates_are_refused():
-    with pytest.raises(ValueError, match="--model.attention"):
-        get_attention("nope")
+def test_duplicates_are_refused():
     with pytest.raises(ValueError, match="already registered"):
         register_attention("naive")(lambda q, k, v, c: q)
 

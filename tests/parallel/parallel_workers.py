@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm_systems.parallel import DDPBucketed, DDPIndividualParameters, NaiveDDP, ShardedOptimizer
+from lm_systems.parallel import BucketedDDP, NaiveDDP, PerParameterDDP, ShardedOptimizer
 from lm_systems.parallel.collectives import GradientAverager
 
 VOCAB, DIM, BATCH, STEPS, MICRO_BATCHES = 37, 13, 3, 3, 2
@@ -131,14 +131,14 @@ def frozen_never_used(model: ToyNet) -> ToyNet:
 CONTAINERS = {
     "naive": lambda m: NaiveDDP(m),
     "naive_flat": lambda m: NaiveDDP(m, flat=True),
-    "individual": lambda m: DDPIndividualParameters(m),
-    "bucketed": lambda m: DDPBucketed(m, bucket_size_mb=0.002),  # ~2 KB: several buckets
-    "bucketed_one_bucket": lambda m: DDPBucketed(m, bucket_size_mb=100),
-    "bucketed_bf16_comm": lambda m: DDPBucketed(m, bucket_size_mb=0.002, grad_comm_dtype=torch.bfloat16),
-    "individual_launch_thread": lambda m: DDPIndividualParameters(m, launch_thread=True),
-    "bucketed_launch_thread": lambda m: DDPBucketed(m, bucket_size_mb=0.002, launch_thread=True),
-    "bucketed_compiled_layer": lambda m: DDPBucketed(compiled_hidden(m), bucket_size_mb=0.002),
-    "bucketed_frozen_never_used": lambda m: DDPBucketed(frozen_never_used(m), bucket_size_mb=0.002),
+    "individual": lambda m: PerParameterDDP(m),
+    "bucketed": lambda m: BucketedDDP(m, bucket_size_mb=0.002),  # ~2 KB: several buckets
+    "bucketed_one_bucket": lambda m: BucketedDDP(m, bucket_size_mb=100),
+    "bucketed_bf16_comm": lambda m: BucketedDDP(m, bucket_size_mb=0.002, grad_comm_dtype=torch.bfloat16),
+    "individual_launch_thread": lambda m: PerParameterDDP(m, launch_thread=True),
+    "bucketed_launch_thread": lambda m: BucketedDDP(m, bucket_size_mb=0.002, launch_thread=True),
+    "bucketed_compiled_layer": lambda m: BucketedDDP(compiled_hidden(m), bucket_size_mb=0.002),
+    "bucketed_frozen_never_used": lambda m: BucketedDDP(frozen_never_used(m), bucket_size_mb=0.002),
 }
 
 
@@ -197,7 +197,7 @@ def run_containers(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def run_sharded(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """ShardedOptimizer over DDPBucketed with both exchanges; 1 exchange stage (the default), 4, or more
+    """ShardedOptimizer over BucketedDDP with both exchanges; 1 exchange stage (the default), 4, or more
     stages than parameters; the exchange on its own group; its consolidated state, the order of one
     step's updates and exchanges, and loading a single-process AdamW state into the sharded optimizer
     (world size 1 → 2)."""
@@ -229,7 +229,7 @@ SHARDED_RUNS = [("p2p", "p2p", 4), ("broadcast", "broadcast", 4), ("p2p_one_stag
 # *_own_group: the exchange runs on a process group of its own, not the default one.
 
 
-def step_order(model: DDPBucketed, optimizer: ShardedOptimizer, rank: int) -> list[str]:
+def step_order(model: BucketedDDP, optimizer: ShardedOptimizer, rank: int) -> list[str]:
     """One more training step, recording in order each stage's local update ("step") and each launch of
     a parameter exchange ("exchange" on the default group, "exchange@own" on another)."""
     events: list[str] = []
@@ -267,7 +267,7 @@ def resume_from_single_process(rank: int, world_size: int, report: dict) -> dict
     shared = [report.get("reference"), report.get("reference_optimizer")]
     dist.broadcast_object_list(shared, src=0)
     weights, optimizer_state = shared
-    model = DDPBucketed(ToyNet(), bucket_size_mb=0.002)
+    model = BucketedDDP(ToyNet(), bucket_size_mb=0.002)
     model.module.load_state_dict(weights)
     optimizer = make_optimizer(model.module, "p2p")
     # Optimizer.load_state_dict keeps same-device tensors as they are: copy so the report stays intact.

@@ -1,4 +1,4 @@
-"""NaiveDDP, DDPIndividualParameters and DDPBucketed on two gloo ranks against single-process training."""
+"""NaiveDDP, PerParameterDDP and BucketedDDP on two gloo ranks against single-process training."""
 
 import copy
 
@@ -99,9 +99,9 @@ def test_bucketed_averages_autograds_own_gradients_in_place(single_rank_group):
     """Each .grad after the synchronisation is the very tensor autograd accumulated (averaged in place, no
     bucket buffer copied into or out of), a parameter no backward reached stays None, and after
     zero_grad(set_to_none=True) the next step's gradients are new tensors: the container holds none."""
-    from lm_systems.parallel import DDPBucketed
+    from lm_systems.parallel import BucketedDDP
 
-    model = DDPBucketed(ToyNet(), bucket_size_mb=0.002)
+    model = BucketedDDP(ToyNet(), bucket_size_mb=0.002)
     trainable = {name: p for name, p in model.module.named_parameters() if p.requires_grad}
     assert len(model.buckets) > 1
     accumulated: dict[str, torch.Tensor] = {}
@@ -138,11 +138,11 @@ class _Switch(torch.nn.Module):
 def test_bucketed_matches_one_process_when_a_parameter_drops_out(single_rank_group, zero_grad_after_forward):
     """Lightning zeroes gradients after the forward, before backward: a parameter with a gradient in step 1
     and none in step 2 must end step 2 with grad None (AdamW then skips it), exactly as in one process."""
-    from lm_systems.parallel import DDPBucketed
+    from lm_systems.parallel import BucketedDDP
 
     torch.manual_seed(0)
     reference = _Switch()
-    model = DDPBucketed(copy.deepcopy(reference), bucket_size_mb=1e-4)
+    model = BucketedDDP(copy.deepcopy(reference), bucket_size_mb=1e-4)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (reference, model.module)]
     x = torch.randn(3, 4)
     for use_b in (True, False, False):

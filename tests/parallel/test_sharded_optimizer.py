@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lm_systems.parallel import ShardedOptimizer
-from lm_systems.parallel.runs import cut_into_runs
+from lm_systems.parallel.stages import cut_into_stages
 from parallel_workers import SHARDED_RUNS, ToyNet, make_optimizer, run_sharded
 
 RUNS = [name for name, _, _ in SHARDED_RUNS]  # p2p / broadcast exchange; 1 (the default), 4 or 16 stages
@@ -70,8 +70,8 @@ def test_one_stage_steps_the_whole_shard_then_exchanges(runs):
     ([7], 1, [0]),
     ([], 4, []),
 ])
-def test_cut_into_runs_of_about_equal_size(sizes, parts, expected):
-    assert cut_into_runs(sizes, parts) == expected
+def test_cut_into_stages_of_about_equal_size(sizes, parts, expected):
+    assert cut_into_stages(sizes, parts) == expected
 
 
 def test_bad_exchange_stages_is_refused(single_rank_group):

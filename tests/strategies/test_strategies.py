@@ -16,8 +16,8 @@ from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, Tin
                               run_cpu_strategies, zero1_epoch0_checkpoint)
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "bucketed_ddp+no_thread"]
-WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "DDPIndividualParameters", "bucketed_ddp": "DDPBucketed",
-            "zero1": "DDPBucketed", "bucketed_ddp+no_thread": "DDPBucketed"}
+WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "PerParameterDDP", "bucketed_ddp": "BucketedDDP",
+            "zero1": "BucketedDDP", "bucketed_ddp+no_thread": "BucketedDDP"}
 
 
 def load_ranks(out, tag: str) -> list[dict]:
@@ -126,7 +126,7 @@ def test_spawn_variant_through_lightnings_launcher(out_dir, reference):
     trainer = make_trainer("bucketed_ddp_spawn", 2, str(out_dir), "bucketed_spawn", enable_checkpointing=False)
     trainer.fit(TinyLM(), datamodule=TinyData())
     for result in load_ranks(out_dir, "bucketed_spawn"):
-        assert result["wrapper"] == "DDPBucketed"
+        assert result["wrapper"] == "BucketedDDP"
         assert_state_close(result["final"], reference["final"])
 
 

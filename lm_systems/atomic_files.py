@@ -1,0 +1,59 @@
+"""Files written whole or not at all: a temporary name beside the target, renamed over it once complete.
+
+The checkpoints, the data caches and the ``--help`` cache all write through here, so that a crash, a kill or a
+full disk mid-write never leaves a torn file that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from lm_systems.errors import os_error_in
+
+
+@contextlib.contextmanager
+def atomic_write_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds.
+
+    A crash (or Ctrl-C) mid-write leaves a ``*.tmp-*`` file that nothing reads, never a half-written
+    ``path`` that a later run would trust. The rename is atomic on POSIX within one filesystem. An OSError
+    (a full disk: torch.save raises a RuntimeError while handling it) is raised again naming ``path``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:
+        cause = os_error_in(error)
+        if cause is None or cause.filename is not None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from error
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_json_atomic(path: str | os.PathLike, value: Any) -> None:
+    with atomic_write_path(path) as tmp:
+        tmp.write_text(json.dumps(value, indent=2, sort_keys=True))
+
+
+def link_atomically(target: str | os.PathLike, link: str | os.PathLike) -> None:
+    """Point ``link`` at ``target`` (a relative symlink) by renaming a new link over it: never absent, never torn.
+
+    Where symlinks are not allowed (Windows without the privilege), a hard link is renamed over it instead;
+    neither copies the file.
+    """
+    target, link = Path(target), Path(link)
+    with atomic_write_path(link) as tmp:
+        try:
+            os.symlink(os.path.relpath(target, link.parent), tmp)
+        except OSError:
+            os.link(target, tmp)

@@ -1,0 +1,53 @@
+"""torch's private names, each behind one public name (tests: tests/compat/test_torch.py). Imports no Lightning."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import _foreach_copy_ as foreach_copy_  # noqa: F401  the fused per-list ops have no public name
+from torch import _foreach_div_ as foreach_div_  # noqa: F401
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401  torch has no public pytree
+
+
+def set_module_parameter(module: torch.nn.Module, name: str, value: Optional[torch.Tensor]) -> None:
+    """Make ``value`` (a Parameter or a plain tensor, such as a gathered view) ``module``'s parameter ``name``, in
+    place of the one there: no hooks, no checks, as the ZeRO-3 container swaps shards and full weights every step.
+    ``register_parameter`` takes only Parameters and runs the global registration hooks."""
+    module._parameters[name] = value
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the backward pass now running has finished (torch's FSDP does its last reductions so):
+    autograd's engine queue, which torch exposes only through ``Variable._execution_engine``."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def unscales_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` itself unscales and skips on overflow (fused AdamW), as GradScaler asks it."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def skip_step_on_device(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """Have the next ``step()`` of an optimizer that ``unscales_in_step`` leave the parameters alone where ``skip``
+    (a 0-dim bool tensor) is true, without a host sync: its ``found_inf``, which GradScaler sets for it."""
+    optimizer.found_inf = skip.float()
+
+
+def overflow_flags(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    """The per-device overflow flags ``scaler.unscale_(optimizer)`` found (a flag may be replaced in the dict)."""
+    return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+
+def record_memory_history(max_entries: Optional[int]) -> None:
+    """Start recording CUDA allocations for a memory snapshot (``max_entries`` of them); None stops recording.
+    torch documents these snapshot functions (torch_cuda_memory.html) under their private names."""
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the recorded allocations to ``path`` (a pickle that https://pytorch.org/memory_viz opens)."""
+    torch.cuda.memory._dump_snapshot(path)

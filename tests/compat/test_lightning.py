@@ -1,0 +1,196 @@
+"""Each adapter of lm_systems.compat.lightning against the installed Lightning: a failure names the private name a
+new Lightning release moved, so the adapter (and only it) is what to change."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+
+import lightning
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, ThroughputMonitor
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch.utils.data import DataLoader
+
+from lm_systems.compat import lightning as compat
+
+
+def broken(name: str) -> str:
+    return f"lightning {lightning.__version__} moved or changed {name}: update lm_systems/compat/lightning.py"
+
+
+def private_method(cls: type, name: str) -> None:
+    assert callable(getattr(cls, name, None)), broken(f"{cls.__name__}.{name}")
+
+
+def called_in(cls: type, caller: str, name: str) -> None:
+    """``cls.caller`` still calls ``self.name`` (so an override of ``name`` still takes effect)."""
+    uses(cls, caller, f"self.{name}(")
+
+
+def uses(cls: type, method: str, text: str) -> None:
+    assert text in inspect.getsource(getattr(cls, method)), broken(f"{cls.__name__}.{method} using {text!r}")
+
+
+class Recorder(L.LightningModule):
+    """A linear model that records, per training batch, what the adapters answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.answers: list[tuple[int, bool, bool]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.answers.append((batch_idx, compat.logs_this_step(self.trainer), compat.accumulates_this_batch(self.trainer)))
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(torch.randn(16, 2), batch_size=2)
+
+
+def fit(**kwargs) -> L.Trainer:
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, **kwargs)
+    trainer.fit(Recorder())
+    return trainer
+
+
+def test_logs_this_step_and_accumulates_this_batch_follow_the_trainer():
+    trainer = fit(max_steps=4, log_every_n_steps=2, accumulate_grad_batches=2)
+    answers = trainer.lightning_module.answers
+    # Batches 0..7, two per optimizer step: steps 0..3; Lightning logs steps 1 and 3 (every 2nd) and the last.
+    assert [accumulating for _, _, accumulating in answers] == [True, False] * 4, broken("fit_loop._should_accumulate")
+    assert [logs for _, logs, _ in answers] == [False, False, True, True, False, False, True, True], \
+        broken("trainer._logger_connector.should_update_logs")
+
+
+def test_compute_dtype_is_the_precision_plugins():
+    assert compat.compute_dtype(L.Trainer(accelerator="cpu", precision="bf16-mixed", logger=False)) == torch.bfloat16, \
+        broken("callbacks.throughput_monitor._plugin_to_compute_dtype")
+    assert compat.compute_dtype(L.Trainer(accelerator="cpu", precision="32-true", logger=False)) == torch.float32
+
+
+def test_precision_names_are_the_trainers():
+    names = compat.precision_names()
+    assert {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true", "32"} <= set(names), broken("_PRECISION_INPUT")
+    assert "bf16-turbo" not in names
+
+
+def test_is_local_path_tells_local_from_remote(tmp_path):
+    assert compat.is_local_path(tmp_path) and compat.is_local_path("relative/file.ckpt"), broken("_is_local_file_protocol")
+    assert not compat.is_local_path("s3://bucket/file.ckpt")
+
+
+def test_attached_trainer_is_none_until_a_trainer_holds_the_module():
+    module = Recorder()
+    assert compat.attached_trainer(module) is None, broken("LightningModule._trainer")
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    assert compat.attached_trainer(module) is trainer, broken("LightningModule._trainer")
+
+
+def test_optimizer_to_device_moves_the_state():
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([param])
+    param.grad = torch.ones(2)
+    optimizer.step()
+    compat.optimizer_to_device(optimizer, torch.device("meta"))
+    assert all(v.device.type == "meta" for v in optimizer.state[param].values() if v.dim()), \
+        broken("fabric.utilities.optimizer._optimizer_to_device")
+
+
+def test_the_cli_base_skips_lightnings_checkpoint_hyperparameter_parsing():
+    private_method(LightningCLI, "_parse_ckpt_path")
+    called_in(LightningCLI, "__init__", "_parse_ckpt_path")
+
+
+def test_the_checkpoint_base_reaches_modelcheckpoints_save_and_link_steps(tmp_path):
+    for name in ("_should_skip_saving_checkpoint", "_monitor_candidates", "_save_topk_checkpoint",
+                 "_save_last_checkpoint", "_link_checkpoint"):
+        private_method(ModelCheckpoint, name)
+    called_in(ModelCheckpoint, "_save_last_checkpoint", "_link_checkpoint")
+    links = []
+
+    class Recording(compat.LinkingModelCheckpoint):
+        def link_checkpoint(self, trainer, filepath, linkpath):
+            links.append((os.path.basename(filepath), os.path.basename(linkpath)))
+            super().link_checkpoint(trainer, filepath, linkpath)
+
+    class SavesAtEnd(Recording):
+        def on_train_end(self, trainer, pl_module):
+            self.save_step(trainer)
+
+    checkpoint = SavesAtEnd(dirpath=tmp_path, filename="step={step}", save_top_k=-1, save_last="link",
+                            every_n_train_steps=2, auto_insert_metric_name=False)
+    L.Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[checkpoint], enable_progress_bar=False,
+              enable_model_summary=False).fit(Recorder())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"], \
+        broken("ModelCheckpoint's saving steps")
+    assert links[-1] == ("step=3.ckpt", "last.ckpt") and ("step=2.ckpt", "last.ckpt") in links, \
+        broken("ModelCheckpoint._link_checkpoint")
+
+
+def test_the_strategy_base_replaces_ddps_wrapper_and_hooks():
+    private_method(DDPStrategy, "_setup_model")
+    private_method(DDPStrategy, "_register_ddp_hooks")
+    called_in(DDPStrategy, "configure_ddp", "_setup_model")
+    called_in(DDPStrategy, "configure_ddp", "_register_ddp_hooks")
+
+
+def test_the_mesh_strategy_base_makes_every_process_data_parallel():
+    uses(ModelParallelStrategy, "setup_environment", "self._data_parallel_size")
+    strategy = compat.DataParallelMeshStrategy(tensor_parallel_size=1)
+    strategy.parallel_devices, strategy.num_nodes = [torch.device("cpu")] * 2, 3
+    with contextlib.suppress(Exception):  # no process group here: only the size it sets matters
+        strategy.setup_environment()
+    assert strategy._data_parallel_size == 6, broken("ModelParallelStrategy._data_parallel_size")
+
+
+def test_the_logger_base_claims_the_listed_version(tmp_path):
+    (tmp_path / "run" / "version_0").mkdir(parents=True)
+
+    class Skipping(compat.VersionClaimingTensorBoardLogger):
+        def claim_version(self, listed):
+            return listed + 10
+
+    assert Skipping(tmp_path, name="run").version == 11, broken("TensorBoardLogger._get_next_version")
+    private_method(TensorBoardLogger, "_get_next_version")
+
+
+def test_the_progress_bar_base_titles_the_training_bar():
+    private_method(RichProgressBar, "_get_train_description")
+    called_in(RichProgressBar, "on_train_epoch_start", "_get_train_description")
+
+    class Titled(compat.TitledRichProgressBar):
+        def train_description(self, current_epoch):
+            return f"title {current_epoch}"
+
+    assert Titled()._get_train_description(3) == "title 3"
+
+
+def test_the_throughput_base_counts_and_replaces_per_stage():
+    monitor = compat.CountingThroughputMonitor(batch_size_fn=len)
+    trainer = L.Trainer(accelerator="cpu", logger=False)
+    trainer.state.fn, trainer.state.stage = TrainerFn.FITTING, RunningStage.TRAINING  # as fit() sets them
+    module = Recorder()
+    monitor.setup(trainer, module, TrainerFn.FITTING)
+    monitor.on_train_start(trainer, module)
+    assert RunningStage.TRAINING in monitor.stages(), broken("ThroughputMonitor._throughputs")
+    monitor.count_batch(RunningStage.TRAINING, samples=2, length=6)
+    monitor.count_batch(RunningStage.TRAINING, samples=2, length=6)
+    assert (monitor._samples[RunningStage.TRAINING], monitor._lengths[RunningStage.TRAINING],
+            monitor._batches[RunningStage.TRAINING]) == (4, 12, 2), broken("ThroughputMonitor's counts")
+    replacement = object()
+    monitor.set_throughput(RunningStage.TRAINING, replacement)
+    assert monitor._throughputs[RunningStage.TRAINING] is replacement
+    for counted in ("self._throughputs[stage]", "self._samples[stage] +=", "self._batches[stage] +="):
+        uses(ThroughputMonitor, "_update", counted)

@@ -1,0 +1,88 @@
+"""Each adapter of lm_systems.compat.torch against the installed torch: a failure names the private name a new torch
+release moved, so the adapter (and only it) is what to change."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from lm_systems.compat import torch as compat
+
+
+def broken(name: str) -> str:
+    return f"torch {torch.__version__} moved or changed {name}: update lm_systems/compat/torch.py"
+
+
+def test_foreach_ops_divide_and_copy_lists_in_place():
+    sent, targets = [torch.full((3,), 4.0), torch.full((2,), 8.0)], [torch.zeros(3), torch.zeros(2)]
+    compat.foreach_div_(sent, 2.0)
+    compat.foreach_copy_(targets, sent)
+    assert [t.tolist() for t in targets] == [[2.0] * 3, [4.0] * 2], broken("torch._foreach_div_ / _foreach_copy_")
+
+
+def test_pytree_flattens_maps_and_rebuilds():
+    tree = {"a": (torch.ones(1), 2), "b": [torch.zeros(2)]}
+    leaves, spec = compat.tree_flatten(tree)
+    assert len(leaves) == 3, broken("torch.utils._pytree.tree_flatten")
+    doubled = compat.tree_map(lambda x: x * 2, tree)
+    assert doubled["a"][1] == 4 and torch.equal(doubled["a"][0], torch.full((1,), 2.0)), broken("tree_map")
+    assert compat.tree_unflatten(leaves, spec)["a"][1] == 2, broken("torch.utils._pytree.tree_unflatten")
+
+
+def test_set_module_parameter_swaps_what_forward_uses():
+    layer = torch.nn.Linear(2, 1, bias=False)
+    compat.set_module_parameter(layer, "weight", torch.ones(1, 2))  # a plain tensor, as a gathered view
+    assert layer(torch.ones(1, 2)).item() == 2.0, broken("nn.Module._parameters")
+
+
+def test_end_of_backward_callbacks_run_after_the_whole_backward():
+    order = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: (compat.queue_end_of_backward(lambda: order.append("end")), order.append("hook"))[1])
+    (y * 3).sum().backward()
+    order.append("after")
+    assert order == ["hook", "end", "after"], broken("torch.autograd.Variable._execution_engine.queue_callback")
+
+
+def test_fused_adamw_unscales_in_step_and_skips_on_the_device():
+    param = torch.nn.Parameter(torch.ones(3))
+    fused = torch.optim.AdamW([param], lr=0.1, fused=True)
+    assert compat.unscales_in_step(fused), broken("Optimizer._step_supports_amp_scaling")
+    assert not compat.unscales_in_step(torch.optim.SGD([param], lr=0.1))
+    param.grad = torch.ones(3)
+    compat.skip_step_on_device(fused, torch.tensor(True))
+    fused.step()
+    assert torch.equal(param.detach(), torch.ones(3)), broken("fused AdamW's found_inf")
+    compat.skip_step_on_device(fused, torch.tensor(False))
+    fused.step()
+    assert not torch.equal(param.detach(), torch.ones(3)), broken("fused AdamW's found_inf")
+
+
+def test_overflow_flags_are_the_scalers_per_device_flags():
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.tensor([1.0, float("inf")])
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # as a training step's loss: the scale now exists
+    scaler.unscale_(optimizer)
+    flags = compat.overflow_flags(scaler, optimizer)
+    assert [flag.item() for flag in flags.values()] == [1.0], broken("GradScaler._per_optimizer_states")
+
+
+def test_memory_snapshot_functions_take_the_arguments_used():
+    record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert {"enabled", "max_entries"} <= set(record), broken("torch.cuda.memory._record_memory_history")
+    assert "filename" in inspect.signature(torch.cuda.memory._dump_snapshot).parameters, \
+        broken("torch.cuda.memory._dump_snapshot")
+
+
+@pytest.mark.gpu
+def test_a_memory_snapshot_is_written(tmp_path):
+    compat.record_memory_history(1000)
+    torch.ones(1024, device="cuda")
+    compat.dump_memory_snapshot(str(tmp_path / "snapshot.pickle"))
+    compat.record_memory_history(None)
+    assert (tmp_path / "snapshot.pickle").stat().st_size > 0, broken("the CUDA memory snapshot")
