@@ -15,6 +15,7 @@ the folder; see that module for tuning ahead of a run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -24,7 +25,7 @@ from typing import Any
 import triton
 from filelock import FileLock
 
-from lm_systems.data.cache_files import fingerprint, write_json_atomic
+from lm_systems.atomic_files import write_json_atomic
 
 CACHE_ENV = "LM_SYSTEMS_TUNING_CACHE"
 OFF = ("off", "0", "false", "no")
@@ -52,7 +53,8 @@ class TuningCache:
                 "key": [str(part) for part in key], "candidates": [str(config) for config in candidates]}
 
     def path(self, entry: dict[str, Any]) -> Path:
-        return self.root / f"{entry['kernel']}-{fingerprint(entry, length=24)}.json"
+        digest = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:24]
+        return self.root / f"{entry['kernel']}-{digest}.json"
 
     def lock(self, entry: dict[str, Any]) -> FileLock:
         self.root.mkdir(parents=True, exist_ok=True)
