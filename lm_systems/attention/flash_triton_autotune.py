@@ -15,6 +15,7 @@ on the CPU, where timing candidates means nothing, and small unequal tiles exerc
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import triton
@@ -24,7 +25,7 @@ from lm_systems.attention import flash_triton_backward, flash_triton_forward
 from lm_systems.attention.flash_triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from lm_systems.attention.flash_triton_forward import attn_fwd_kernel
 from lm_systems.attention.tuned_kernel import TunedKernel
-from lm_systems.data.cache_files import fingerprint
+from lm_systems.fingerprint import fingerprint
 
 AUTOTUNE_ENV = "LM_SYSTEMS_FLASH_AUTOTUNE"
 
@@ -102,11 +103,6 @@ def _fitting(kind: str, configs: list[triton.Config], args: dict) -> list[triton
     return kept[:1] if os.environ.get(AUTOTUNE_ENV, "1") == "0" else kept
 
 
-def _pruner(kind: str):
-    """The prune function of ``kind`` for TunedKernel (which consults the tuning cache itself)."""
-    return lambda configs, named_args: _fitting(kind, configs, named_args)
-
-
 def _pruner_for_inductor(kind: str):
     """The prune function of ``kind`` that ``triton.autotune`` calls, under torch.compile from Inductor: the
     choice stored on this machine where there is one (Inductor then times nothing), else what fits."""
@@ -125,8 +121,8 @@ KERNEL_SOURCE = fingerprint([Path(module.__file__).read_text() for module in (fl
                                                                               flash_triton_backward)])
 _KERNELS = {"fwd": (FWD_CONFIGS, attn_fwd_kernel), "dq": (DQ_CONFIGS, attn_bwd_dq_kernel),
             "dkdv": (DKDV_CONFIGS, attn_bwd_dkdv_kernel)}
-# Eager launches: tuned once per machine.
-TUNED = {kind: TunedKernel(kernel, configs, AUTOTUNE_KEY, _pruner(kind), KERNEL_SOURCE)
+# Eager launches: tuned once per machine (TunedKernel consults the tuning cache itself).
+TUNED = {kind: TunedKernel(kernel, configs, AUTOTUNE_KEY, partial(_fitting, kind), KERNEL_SOURCE)
          for kind, (configs, kernel) in _KERNELS.items()}
 # Launches from torch.compile's graphs (wrap_triton takes a triton.jit or triton.autotune kernel).
 AUTOTUNED = {kind: triton.autotune(configs, key=AUTOTUNE_KEY,

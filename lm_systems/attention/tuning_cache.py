@@ -15,7 +15,6 @@ the folder; see that module for tuning ahead of a run.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -26,6 +25,7 @@ import triton
 from filelock import FileLock
 
 from lm_systems.atomic_files import write_json_atomic
+from lm_systems.fingerprint import fingerprint
 
 CACHE_ENV = "LM_SYSTEMS_TUNING_CACHE"
 OFF = ("off", "0", "false", "no")
@@ -53,8 +53,7 @@ class TuningCache:
                 "key": [str(part) for part in key], "candidates": [str(config) for config in candidates]}
 
     def path(self, entry: dict[str, Any]) -> Path:
-        digest = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:24]
-        return self.root / f"{entry['kernel']}-{digest}.json"
+        return self.root / f"{entry['kernel']}-{fingerprint(entry, length=24)}.json"
 
     def lock(self, entry: dict[str, Any]) -> FileLock:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -1,19 +1,11 @@
-"""Cache plumbing shared by the data pipeline: fingerprints, file identities, a lock across processes."""
+"""Cache plumbing shared by the data pipeline: file identities, a lock across processes."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
-
-
-def fingerprint(value: Any, length: int = 16) -> str:
-    """Short stable hash of a JSON-serialisable value (dict keys sorted), used to name cache entries."""
-    text = json.dumps(value, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
 def file_identity(path: str | Path) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from lm_systems.data.cache_files import file_identity, fingerprint
+from lm_systems.data.cache_files import file_identity
+from lm_systems.fingerprint import fingerprint
 from lm_systems.data.generated_corpus import GENERATOR_VERSION, ensure_generated_corpus
 from lm_systems.errors import InputError
 

@@ -13,7 +13,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
-from lm_systems.data.cache_files import cache_lock, fingerprint
+from lm_systems.data.cache_files import cache_lock
+from lm_systems.fingerprint import fingerprint
 from lm_systems.data.checksums import sidecar_damage
 from lm_systems.data.corpus import CorpusSource, LazyCorpus, iter_texts, resolve_corpus
 from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_token_cache, token_cache_entry

@@ -24,7 +24,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from lm_systems.atomic_files import atomic_write_path
-from lm_systems.data.cache_files import fingerprint
+from lm_systems.fingerprint import fingerprint
 from lm_systems.data.checksums import BlockChecksum, damage, sidecar, sidecar_damage, write_checked_json
 from lm_systems.data.corpus import CorpusSource
 from lm_systems.data.tokenizer import END_OF_TEXT, tokenizer_fingerprint

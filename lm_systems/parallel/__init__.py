@@ -2,7 +2,7 @@
 
 - ``NaiveDDP(module, flat=False)``: all-reduce after backward, per parameter or flattened.
 - ``PerParameterDDP(module)``: per-parameter async all-reduce launched during backward.
-- ``BucketedDDP(module, bucket_size_mb)``: bucketed async all-reduce, gradients as bucket views.
+- ``BucketedDDP(module, bucket_size_mb)``: bucketed async all-reduce, in place in autograd's own gradients.
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
 - ``FullyShardedDataParallel(module, compute_dtype=None, unit_types=None)``: parameters, gradients and optimizer
   state sharded over ranks (ZeRO stage 3), each unit gathered just before its forward and its backward.

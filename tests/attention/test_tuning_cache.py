@@ -22,7 +22,7 @@ from lm_systems.attention import flash_triton_autotune as autotune  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: E402
 from lm_systems.attention.tuned_kernel import TunedKernel  # noqa: E402
 from lm_systems.attention.tuning_cache import CACHE_ENV, TuningCache, default_cache_dir  # noqa: E402
-from lm_systems.data.cache_files import fingerprint  # noqa: E402
+from lm_systems.fingerprint import fingerprint  # noqa: E402
 
 WORKER = Path(__file__).with_name("tuning_worker.py")
 REPO = Path(__file__).resolve().parents[2]
