@@ -1,5 +1,10 @@
 """One unit of fully sharded data parallelism: its parameters split by rows over the ranks, gathered whole
-for compute and freed after, its gradients reduce-scattered back into the shards."""
+for compute and freed after, its gradients reduce-scattered back into the shards.
+
+A unit's collectives are grouped per parameter (one NCCL launch for the unit), so nothing is copied around
+them: every rank's shards are gathered straight into the storage of the full parameters, and the full
+gradients autograd made are reduce-scattered as they are, into views of one flat buffer that become the
+shards' gradients."""
 
 from __future__ import annotations
 
@@ -9,11 +14,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lm_systems.compat.torch import set_module_parameter
+from lm_systems.compat.torch import foreach_copy_, set_module_parameter
 
 # torch 2.13 renamed the flat collectives (the old names warn as deprecated); older releases have only those.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_params(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup) -> dist.Work:
+    """Every rank's ``inputs[i]`` into ``outputs[i]``, rank after rank: one grouped launch for the list."""
+    return group.allgather_into_tensor_coalesced(outputs, inputs)
+
+
+def _reduce_scatter_grads(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup,
+                          op: dist.ReduceOp) -> dist.Work:
+    """Rank r's ``outputs[i]`` = ``op`` over ranks of chunk r of ``inputs[i]``: one grouped launch for the list."""
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = op
+    return group.reduce_scatter_tensor_coalesced(outputs, inputs, options)
 
 
 def rows_per_rank(rows: int, world_size: int) -> int:
@@ -21,20 +38,8 @@ def rows_per_rank(rows: int, world_size: int) -> int:
     return -(-rows // world_size)
 
 
-def scatter_rows(full: torch.Tensor, grid: torch.Tensor) -> None:
-    """Copy ``full`` (rows, *rest) into ``grid`` (N, rows_per_rank, *rest), rank r's rows into grid[r];
-    the padding past the last row is zeroed."""
-    per_rank = grid.shape[1]
-    whole, rest = divmod(full.shape[0], per_rank)
-    grid[:whole].copy_(full[: whole * per_rank].view(whole, per_rank, *full.shape[1:]))
-    if whole < grid.shape[0]:
-        grid[whole, :rest].copy_(full[whole * per_rank :])
-        grid[whole, rest:].zero_()
-        grid[whole + 1 :].zero_()
-
-
 def gather_rows(grid: torch.Tensor, full: torch.Tensor) -> None:
-    """The inverse of ``scatter_rows``: ``full`` (rows, *rest) from ``grid`` (N, rows_per_rank, *rest)."""
+    """``full`` (rows, *rest) from ``grid`` (N, rows_per_rank, *rest), rank r's rows from grid[r] (padding dropped)."""
     per_rank = grid.shape[1]
     whole, rest = divmod(full.shape[0], per_rank)
     full[: whole * per_rank].view(whole, per_rank, *full.shape[1:]).copy_(grid[:whole])
@@ -55,20 +60,32 @@ def shard_rows(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 class ShardedParam:
     """A parameter of a unit: ``shard`` (the master rows this rank steps, an nn.Parameter the module holds
     between uses) and ``full`` (the gathered whole in the compute dtype, a leaf whose storage is freed
-    while the unit is sharded). ``slots`` are the (module, attribute) places that hold it, ``names`` its
-    qualified names below the wrapped module."""
+    while the unit is sharded, and sized while gathered for every rank's shard, the last ones' padding
+    rows included). ``slots`` are the (module, attribute) places that hold it, ``names`` its qualified
+    names below the wrapped module."""
 
     shard: nn.Parameter
     full: nn.Parameter
     shape: torch.Size
     slots: list[tuple[nn.Module, str]]
     names: list[str]
-    offset: int = 0  # in the unit's flat shard (all-gather layout)
-    grad_offset: int = -1  # in the unit's flat gradient shard (reduce-scatter layout); -1: frozen
+    world_size: int
+    offset: int = 0  # in the unit's flat shard (gather_masters' layout)
+    grad_offset: int = -1  # in the unit's flat gradient shard (reduce-scatter output); -1: frozen
 
     @property
     def numel(self) -> int:
         return self.shard.numel()
+
+    def gather_target(self) -> torch.Tensor:
+        """The full parameter's storage, allocated, as one flat tensor for every rank's shard in rank order.
+        Through ``.data``: refilling a leaf that autograd saved for backward must not bump its version."""
+        data = self.full.data
+        data.untyped_storage().resize_(self.numel * self.world_size * data.element_size())
+        return data.as_strided((self.numel * self.world_size,), (1,))
+
+    def release(self) -> None:
+        self.full.untyped_storage().resize_(0)
 
     def valid_rows(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """The rows of a shard-shaped ``tensor`` that hold real rows of the parameter (padding excluded)."""
@@ -78,10 +95,11 @@ class ShardedParam:
 
 @dataclass
 class PendingReduction:
-    """An in-flight reduce-scatter of one unit's gradients: the summed shard lands in ``output``."""
+    """An in-flight reduce-scatter of one unit's gradients: ``sent`` are its inputs (kept alive until it
+    completes), ``output`` the flat buffer whose views become the shards' gradients."""
 
     unit: "ShardedUnit"
-    sent: torch.Tensor
+    sent: list[torch.Tensor]
     output: torch.Tensor
     work: dist.Work
     local_present: list[bool] = field(default_factory=list)
@@ -90,11 +108,11 @@ class PendingReduction:
 class ShardedUnit:
     """The parameters of one submodule (a Transformer block, a layer), sharded by rows over the ranks.
 
-    All-gather layout: each rank contributes its shards of every parameter, concatenated (S elements), so
-    the gathered buffer is (N, S) and parameter j's rows sit in columns [offset_j, offset_j + n_j) of
-    every rank's row. The reduce-scatter sends the same layout over the trainable parameters, with one
-    presence flag per parameter appended to every rank's part, so each rank learns, with its summed
-    shard, which parameters got a gradient on any rank.
+    Gathering: one all-gather per parameter, grouped into one launch, each into the full parameter's own
+    storage (rank r's rows land where they belong; no copy out). Gradients: one reduce-scatter per
+    trainable parameter of its full gradient (as autograd made it, unless it needs a cast or padding),
+    grouped into one launch with a last one of presence flags, so each rank learns, with its averaged
+    shard, which parameters got a gradient on any rank. The outputs are views of one flat buffer.
     """
 
     def __init__(self, module: nn.Module, prefix: str, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]],
@@ -103,6 +121,7 @@ class ShardedUnit:
         self.module = module
         self.prefix = prefix
         self.group = group
+        self._process_group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.params: list[ShardedParam] = []
@@ -115,7 +134,7 @@ class ShardedUnit:
             full = nn.Parameter(torch.empty(original.shape, dtype=dtype, device=original.device),
                                 requires_grad=original.requires_grad)
             full.untyped_storage().resize_(0)
-            param = ShardedParam(shard, full, original.shape, slots, names, offset)
+            param = ShardedParam(shard, full, original.shape, slots, names, self.world_size, offset)
             offset += param.numel
             if original.requires_grad:
                 param.grad_offset = grad_offset
@@ -126,7 +145,9 @@ class ShardedUnit:
         self.compute_dtype = compute_dtype or self.params[0].shard.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.device = self.params[0].shard.device
-        self._gathering: tuple[torch.Tensor, dist.Work] | None = None
+        # NCCL averages in the reduction; gloo has no AVG: it sums, and the mean is taken after.
+        self._native_average = "nccl" in str(dist.get_backend(group)).lower() and self.device.type == "cuda"
+        self._gathering: tuple[list[torch.Tensor], dist.Work] | None = None
         self.gathered = False
         self._install(full=False)
 
@@ -142,9 +163,13 @@ class ShardedUnit:
         """Launch the all-gather of every rank's shards, in the compute dtype (no-op if under way or done)."""
         if self.gathered or self._gathering is not None:
             return
-        sent = torch.cat([p.shard.reshape(-1) for p in self.params]).to(self.compute_dtype)  # (S,)
-        received = torch.empty(self.world_size * self.shard_numel, dtype=self.compute_dtype, device=self.device)
-        self._gathering = received, _all_gather_flat(received, sent, group=self.group, async_op=True)
+        shards = [p.shard.detach().view(-1) for p in self.params]
+        sent = shards
+        if any(p.shard.dtype != p.full.dtype for p in self.params):
+            sent = [torch.empty_like(shard, dtype=p.full.dtype) for shard, p in zip(shards, self.params)]
+            foreach_copy_(sent, shards)
+        targets = [p.gather_target() for p in self.params]
+        self._gathering = sent, _all_gather_params(targets, sent, self._process_group)
 
     @torch.no_grad()
     def gather(self) -> None:
@@ -152,14 +177,9 @@ class ShardedUnit:
         if self.gathered:
             return
         self.start_gather()
-        received, work = self._gathering
+        _, work = self._gathering
         self._gathering = None
         work.wait()
-        grid = received.view(self.world_size, self.shard_numel)
-        for p in self.params:
-            full = p.full.data  # .data: refilling a leaf saved for backward must not bump its version
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            gather_rows(grid[:, p.offset : p.offset + p.numel].view(self.world_size, *p.shard.shape), full)
         self._install(full=True)
         self.gathered = True
 
@@ -168,6 +188,8 @@ class ShardedUnit:
         if self._gathering is not None:
             self._gathering[1].wait()
             self._gathering = None
+            for p in self.params:
+                p.release()
 
     def free(self) -> None:
         """Give the module its shards back and release the gathered copies' memory."""
@@ -175,7 +197,7 @@ class ShardedUnit:
             return
         self._install(full=False)
         for p in self.params:
-            p.full.untyped_storage().resize_(0)
+            p.release()
         self.gathered = False
 
     # -- gradients ---------------------------------------------------------------------------
@@ -185,43 +207,54 @@ class ShardedUnit:
 
     @torch.no_grad()
     def start_reduce_scatter(self) -> PendingReduction:
-        """Launch the reduce-scatter (a sum) of the full gradients into every rank's shard; the full
-        gradients are released as soon as they are copied into the send buffer."""
+        """Launch the reduce-scatter (the mean over ranks) of the full gradients into every rank's shard; the
+        full gradients are handed over to it (``.grad`` set to None) and released when it completes."""
         flags = len(self.trainable)
-        part = self.grad_numel + flags
-        sent = torch.empty(self.world_size, part, dtype=self.reduce_dtype, device=self.device)
-        local = []
-        for j, p in enumerate(self.trainable):
-            grid = sent[:, p.grad_offset : p.grad_offset + p.numel].view(self.world_size, *p.shard.shape)
-            present = p.full.grad is not None
-            if present:
-                scatter_rows(p.full.grad, grid)
-                p.full.grad = None
-            else:
-                grid.zero_()
-            local.append(present)
-        if all(local):
-            sent[:, self.grad_numel :].fill_(1.0)  # a device-side fill: no host-device copy on the common path
+        output = torch.empty(self.grad_numel + flags, dtype=self.reduce_dtype, device=self.device)
+        outputs = list(output.split([p.numel for p in self.trainable] + [flags]))
+        sent, local = [], []
+        for p in self.trainable:
+            sent.append(self._reduce_input(p))
+            local.append(p.full.grad is not None)
+            p.full.grad = None
+        if all(local):  # a device-side fill: no host-device copy on the common path
+            sent.append(torch.ones(self.world_size * flags, dtype=self.reduce_dtype, device=self.device))
         else:
-            sent[:, self.grad_numel :] = torch.tensor(local, dtype=self.reduce_dtype)  # (flags,), on every row
-        output = torch.empty(part, dtype=self.reduce_dtype, device=self.device)
-        work = _reduce_scatter_flat(output, sent.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            sent.append(torch.tensor(local, dtype=self.reduce_dtype).repeat(self.world_size).to(self.device))
+        op = dist.ReduceOp.AVG if self._native_average else dist.ReduceOp.SUM
+        work = _reduce_scatter_grads(outputs, sent, self._process_group, op)
         return PendingReduction(self, sent, output, work, local)
+
+    def _reduce_input(self, p: ShardedParam) -> torch.Tensor:
+        """``p``'s full gradient, flat, in the reduce dtype, with every rank's rows (zeros past the last real
+        one; all zeros without a gradient): autograd's tensor itself where it is all that already."""
+        grad, size = p.full.grad, p.numel * self.world_size
+        if grad is not None and grad.dtype == self.reduce_dtype and grad.numel() == size and grad.is_contiguous():
+            return grad.view(-1)
+        flat = torch.zeros(size, dtype=self.reduce_dtype, device=self.device)
+        if grad is not None:
+            flat[: grad.numel()].copy_(grad.reshape(-1))
+        return flat
 
     @torch.no_grad()
     def finish_reduce_scatter(self, pending: PendingReduction) -> None:
-        """Wait, then add the mean over ranks into each shard's ``.grad`` (master dtype). A parameter no rank
-        produced a gradient for keeps ``grad = None``, as one process would leave it."""
+        """Wait, then make the mean over ranks each shard's ``.grad`` (master dtype; added if it has one). A
+        parameter no rank produced a gradient for keeps ``grad = None``, as one process would leave it."""
         pending.work.wait()
         output = pending.output
+        means = output[: self.grad_numel]
+        if not self._native_average:
+            means.div_(self.world_size)
+        master = self.trainable[0].shard.dtype
+        if means.dtype != master and all(p.shard.dtype == master for p in self.trainable):
+            means = means.to(master)  # one cast for the unit
         # All present here means present everywhere: no read of the flags (no host-device sync).
         anywhere = pending.local_present if all(pending.local_present) else \
             (output[self.grad_numel :] > 0).tolist()
         for p, present in zip(self.trainable, anywhere):
             if not present:
                 continue
-            grad = output[p.grad_offset : p.grad_offset + p.numel].view(p.shard.shape)
-            grad = grad.to(p.shard.dtype, copy=True).div_(self.world_size)
+            grad = means[p.grad_offset : p.grad_offset + p.numel].view(p.shard.shape).to(p.shard.dtype)
             if p.shard.grad is None:
                 p.shard.grad = grad
             else:

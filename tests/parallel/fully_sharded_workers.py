@@ -122,12 +122,12 @@ class CollectiveLog:
     def __init__(self, model: FullyShardedDataParallel) -> None:
         self.events: list[str] = []
         self._model = model
-        self._originals = {name: getattr(sharded_unit, name) for name in ("_all_gather_flat", "_reduce_scatter_flat")}
+        self._originals = {name: getattr(sharded_unit, name) for name in ("_all_gather_params", "_reduce_scatter_grads")}
 
     def __enter__(self) -> "CollectiveLog":
         for name, original in self._originals.items():
             def launch(*args, _name=name, _original=original, **kwargs):
-                self.events.append("all_gather" if _name == "_all_gather_flat" else "reduce_scatter")
+                self.events.append("all_gather" if _name == "_all_gather_params" else "reduce_scatter")
                 return _original(*args, **kwargs)
 
             setattr(sharded_unit, name, launch)

@@ -29,7 +29,7 @@ STEPS_PER_EPOCH, EPOCHS = 2, 2
 CLIP = 5.0
 COMMUNICATING = [(dist, name) for name in ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")]
 COMMUNICATING.append((GradientAverager, "start"))  # the containers' gradient all-reduces bypass dist.all_reduce
-COMMUNICATING.append((sharded_unit, "_reduce_scatter_flat"))  # zero3's gradient reduce-scatters
+COMMUNICATING.append((sharded_unit, "_reduce_scatter_grads"))  # zero3's gradient reduce-scatters
 CHECKPOINTED = ("zero1", "zero3")  # keep their end-of-epoch checkpoints, then resume from epoch 0's
 
 
