@@ -22,6 +22,16 @@ from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
 from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
 
 
+COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+def resolve_compute_dtype(choice: str, precision: str) -> Optional[torch.dtype]:
+    """The dtype zero3 gathers weights in for ``choice`` under Lightning's ``precision``; None: the masters'."""
+    if choice == "auto":
+        return torch.bfloat16 if precision.startswith("bf16") else None
+    return COMM_DTYPES.get(choice)
+
+
 class Zero3Strategy(ContainerDDPStrategy):
     """Trains through a FullyShardedDataParallel: each rank holds 1/N of every Transformer block's (and
     every outside linear or embedding layer's) parameters, gradients and optimizer state.
@@ -32,12 +42,12 @@ class Zero3Strategy(ContainerDDPStrategy):
     the container's ``clip_grad_norm_``, takes the global norm over all ranks' shards; with ``16-mixed``
     the GradScaler is torch's ShardedGradScaler, which agrees on skipped steps across ranks.
 
-    ``compute_dtype`` ("bf16" / "fp16") gathers weights in that dtype for compute (half the all-gather
-    bytes; masters and optimizer stay float32). Left unset under ``bf16-mixed``, weights are gathered in
-    float32 and autocast casts them per operation: the numerics of the other strategies, but every
-    weight's bf16 copy is then kept by autograd from its forward to its backward (2 bytes a parameter
-    at peak). With ``compute_dtype: bf16`` the gathered weights are those copies, freed after use,
-    while embeddings and the residual stream are computed in bf16 too.
+    ``compute_dtype`` is the dtype weights are gathered and computed in (masters and optimizer state stay
+    float32). ``auto`` (the default): bf16 under a bf16 precision, as torch FSDP2's mixed-precision policy
+    does, else the masters' dtype. bf16 halves the all-gather and reduce-scatter bytes and keeps no autocast
+    copy of every weight from its forward to its backward; embeddings and the residual stream are computed
+    in bf16 too. ``fp32`` gathers float32 weights that autocast casts per operation: the numerics of the
+    other strategies, at twice the traffic. ``fp16`` (under ``16-mixed``) gathers fp16.
 
     Checkpoints hold the LightningModule's full (unsharded) state dict and each optimizer's full state
     in the plain optimizer's format, gathered by every rank and saved by rank 0: they resume under zero3
@@ -47,16 +57,17 @@ class Zero3Strategy(ContainerDDPStrategy):
     strategy_name = "zero3"
     strategy_description = "ZeRO-3: FullyShardedDataParallel, parameters, gradients and optimizer state sharded"
 
-    def __init__(self, compute_dtype: Optional[Literal["bf16", "fp16"]] = None, **kwargs: Any) -> None:
-        if compute_dtype is not None and compute_dtype not in COMM_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {sorted(COMM_DTYPES)} or None, got {compute_dtype!r} "
-                             "(--strategy zero3: strategy init_args.compute_dtype)")
+    def __init__(self, compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto", **kwargs: Any) -> None:
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r} "
+                             "(--strategy zero3: --trainer.strategy.compute_dtype)")
         super().__init__(**kwargs)
-        self._compute_dtype = COMM_DTYPES.get(compute_dtype) if compute_dtype else None
+        self._compute_dtype = compute_dtype
 
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
-        return FullyShardedDataParallel(module, compute_dtype=self._compute_dtype, **comm)
+        dtype = resolve_compute_dtype(self._compute_dtype, str(self.precision_plugin.precision))
+        return FullyShardedDataParallel(module, compute_dtype=dtype, **comm)
 
     @property
     def _sharded(self) -> Optional[FullyShardedDataParallel]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import strategies
+from strategies.zero3 import resolve_compute_dtype
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, epoch0_checkpoint, make_trainer,
                               run_cpu_strategies)
 
@@ -97,8 +98,18 @@ def test_resumes_from_its_checkpoint_on_one_process_without_sharding(runs, out_d
 
 
 def test_bad_compute_dtype_names_the_option():
-    with pytest.raises(ValueError, match="init_args.compute_dtype"):
+    with pytest.raises(ValueError, match="--trainer.strategy.compute_dtype"):
         strategies.Zero3Strategy(compute_dtype="int8")
+
+
+@pytest.mark.parametrize("choice, precision, expected", [
+    ("auto", "bf16-mixed", torch.bfloat16), ("auto", "bf16-true", torch.bfloat16), ("auto", "16-mixed", None),
+    ("auto", "32-true", None), ("fp32", "bf16-mixed", None), ("bf16", "32-true", torch.bfloat16),
+    ("fp16", "16-mixed", torch.float16),
+])
+def test_weights_are_gathered_in_bf16_under_bf16_precisions_unless_asked_otherwise(choice, precision, expected):
+    """auto follows torch FSDP2's mixed-precision recipe (bf16 parameters under bf16); None: the masters' dtype."""
+    assert resolve_compute_dtype(choice, precision) == expected
 
 
 def test_train_py_trains_on_two_spawned_cpu_processes(tmp_path, train_py):

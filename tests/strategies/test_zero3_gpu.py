@@ -1,5 +1,6 @@
 """`python train.py --strategy zero3` on one GPU (world size 1 over NCCL) in bf16-mixed and 16-mixed, as the user
-runs it: weights gathered in float32 under autocast, or in bf16 (the example config); fused AdamW over the shards."""
+runs it: weights gathered in bf16 (the default under bf16-mixed, and the example config), or in float32 for autocast
+to cast; fused AdamW over the shards."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 LARGER = ["--model.d_model", "64", "--model.num_layers", "2", "--model.d_ff", "96", "--model.context_length", "32",
           "--model.warmup_steps", "2", "--data.batch_size", "8", "--trainer.val_check_interval", "5"]
 RUNS = {
-    "bf16_autocast": ["--strategy", "zero3", "--precision", "bf16-mixed"],
-    "bf16_compute": ["-c", str(REPO / "configs" / "strategies" / "zero3.yaml")],
+    "bf16_default": ["--strategy", "zero3", "--precision", "bf16-mixed"],
+    "bf16_config": ["-c", str(REPO / "configs" / "strategies" / "zero3.yaml")],
+    "fp32_gathers_autocast": ["--trainer.strategy", "strategies.Zero3Strategy", "--trainer.strategy.compute_dtype", "fp32",
+                              "--precision", "bf16-mixed"],
     "fp16_grad_scaler": ["--strategy", "zero3", "--precision", "16-mixed"],
 }
 
