@@ -229,9 +229,17 @@ class FlashAttention2Triton(_FlashAttention2TritonFunction):
         return _FlashAttention2TritonFunction.apply(q, k, v, is_causal)
 
 
+# The longest sequence ``auto`` gives flash_triton. Through train.py on an H100, compiled, the step with flash_triton
+# was faster than sdpa's at contexts 512 and 2048 (xl) and slower at 8192 (medium), where sdpa's kernel leads
+# (benchmarks/results/long_context.md, train_step.md).
+AUTO_MAX_SEQ_LEN = 2048
+
+
 def _faster_when_compiled(q: torch.Tensor) -> bool:
-    """Where ``auto`` takes flash_triton inside torch.compile: fp16 / bf16 on CUDA, in the kernels' head dims."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM
+    """Where ``auto`` takes flash_triton inside torch.compile: fp16 / bf16 on CUDA, in the kernels' head dims, up to
+    ``AUTO_MAX_SEQ_LEN`` query positions."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM
+            and q.shape[-2] <= AUTO_MAX_SEQ_LEN)
 
 
 @register_attention("flash_triton", when_compiled=_faster_when_compiled)

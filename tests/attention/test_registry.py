@@ -42,17 +42,19 @@ def test_auto_is_sdpa_in_eager_and_the_registered_choice_inside_torch_compile(mo
     assert resolve_attention_name("auto") == "sdpa"  # no query to judge
 
 
-def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_queries():
+def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_queries_up_to_2048_positions():
     from lm_systems.attention.flash_triton import _faster_when_compiled  # triton is a dependency on Linux
 
-    def query(is_cuda=True, dtype=torch.bfloat16, head_dim=64):
-        return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 25, 512, head_dim))
+    def query(is_cuda=True, dtype=torch.bfloat16, head_dim=64, seq_len=512):
+        return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 25, seq_len, head_dim))
 
     assert ("flash_triton", _faster_when_compiled) in registry._AUTO_WHEN_COMPILED
     assert _faster_when_compiled(query()) and _faster_when_compiled(query(dtype=torch.float16))
     assert not _faster_when_compiled(query(dtype=torch.float32))  # its fp32 path is for correctness
     assert not _faster_when_compiled(query(is_cuda=False))
     assert not _faster_when_compiled(query(head_dim=256))
+    assert _faster_when_compiled(query(seq_len=2048))  # measured faster than sdpa in the step at 512 and 2048
+    assert not _faster_when_compiled(query(seq_len=8192))  # and slower at 8192
     assert "flash_triton inside torch.compile" in describe_attention("auto", compiled=True)
     assert describe_attention("auto", compiled=False) == "sdpa" and describe_attention("naive", True) == "naive"
 
