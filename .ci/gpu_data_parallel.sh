@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 30's data-parallel work on two CUDA GPUs of one host (torch 2.11; each stage fits one 10-minute call):
+#   tests     python train.py --devices 2 against torch DDP where no GPU run exists yet: zero3 in bf16-mixed (its bf16
+#             weights by default) and 16-mixed, overlap_ddp and fsdp2 in 16-mixed
+#   resumes   the zero1 and zero3 two-GPU resumes
+#   scaling   xl compiled at 1024 x 8 per GPU through train.py: one GPU, bucketed_ddp with fp32 and with bf16
+#             gradients on the wire, zero1 (benchmarks.scaling, one round)
+#   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp, zero3, fsdp2
+#
+#   .ci/gpu_data_parallel.sh tests        # one stage a call
+#   .ci/gpu_data_parallel.sh scaling
+# Writes logs, the tests' junit xml and the benchmark tables under $OUT (./gpu_data_parallel_out without it).
+# Stages run under time limits; one that fails or times out is logged and the next one runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_data_parallel_out}
+mkdir -p "$OUT"
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests)
+
+# The GPU image lacks jsonargparse[signatures] (train.py's LightningCLI) and datasets: wheels in .whl/.
+if [ -d .whl ] && ! python -c "import docstring_parser, typeshed_client" 2>/dev/null; then
+    python -m pip install --quiet --no-index --find-links .whl "jsonargparse[signatures]" datasets
+fi
+python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.device_count(), \
+'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+
+run() {  # run STAGE_NAME SECONDS COMMAND...: log to $OUT/STAGE_NAME.log, print the wall time
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+    local code=$?
+    echo "== $name: exit $code after $((SECONDS - start)) s wall" | tee -a "$OUT/summary.txt"
+}
+
+scaling() {  # scaling NAME CONFIG SETUPS...
+    local name=$1 config=$2; shift 2
+    run "$name" 560 python -m benchmarks.scaling --devices 2 --size xl --configs "$config" --attention sdpa \
+        --setups "$@" --rounds 1 --warmup 8 --steps 5 --segments 2 --run-timeout 200 --out-dir "$OUT/$name"
+}
+
+for stage in "${STAGES[@]}"; do
+    case $stage in
+    tests)
+        run train_py_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py \
+            -k "zero3-bf16-mixed or zero3-16-mixed or overlap_ddp-16-mixed or fsdp2-16-mixed" \
+            --junitxml="$OUT/train_py_2gpu.xml"
+        ;;
+    resumes)
+        run resumes_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py \
+            -k "resume and (zero1 or zero3)" --junitxml="$OUT/resumes_2gpu.xml"
+        ;;
+    scaling)
+        scaling scaling 1024x8:compiled single bucketed_ddp bucketed_ddp+grad_comm_dtype=bf16 zero1
+        ;;
+    eager)
+        scaling eager 512x4:eager single bucketed_ddp zero3 fsdp2
+        ;;
+    *)
+        echo "unknown stage $stage (tests, resumes, scaling, eager)"; exit 2
+        ;;
+    esac
+done
+cat "$OUT/summary.txt"
