@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import lightning.pytorch as L
 import torch
@@ -207,6 +208,18 @@ def train_py_command(config: Config, setup: Setup, args: argparse.Namespace, wor
     ]
 
 
+def run_in_own_group(command: list[str], env: dict[str, str], out: IO[str], timeout: float) -> int | None:
+    """Run ``command`` in a process group of its own; its exit code, or None if it ran past ``timeout`` seconds,
+    when the whole group is killed: the ranks Lightning started beside it too, which would hold their GPUs."""
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return None
+
+
 def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, workdir: Path) -> Run:
     """Run train.py for ``setup`` from the checkout (its data cache too); its segments, or the tail of its output
     if it failed."""
@@ -216,15 +229,12 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
     env = {**os.environ, **dict(setup.env)}
     log = timer_dir.with_suffix(".log")
     with log.open("w") as out:
-        try:
-            code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=args.run_timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+        code = run_in_own_group(command, env, out, args.run_timeout)
     records = [json.loads(path.read_text()) for path in sorted(timer_dir.glob("rank*.json"))]
     if code != 0 or not records:
         tail = log.read_text().strip().splitlines()[-15:]
-        run.error = f"exit {code}: {tail[-1] if tail else 'no output'}"
+        run.error = (f"stopped after --run-timeout {args.run_timeout:g} s" if code is None
+                     else f"exit {code}: {tail[-1] if tail else 'no output'}")
         print(f"  {setup.spec} failed ({run.error}); its output ends:\n    " + "\n    ".join(tail), flush=True)
         return run
     run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records))]

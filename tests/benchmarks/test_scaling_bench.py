@@ -3,6 +3,9 @@ round's visits, and a CPU run through train.py fills it."""
 
 import argparse
 import csv
+import os
+import sys
+import time
 
 import pytest
 
@@ -69,3 +72,30 @@ def test_cpu_run_through_train_py_fills_the_table(tmp_path):
     assert bucketed["devices"] == "2"
     assert float(bucketed["scaling"]) == pytest.approx(float(rows["single"]["ms_per_step"]) /
                                                        float(bucketed["ms_per_step"]), rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_visit_past_its_time_limit_stops_every_process_it_started(tmp_path):
+    """Lightning starts the other ranks as children of rank 0: killing rank 0 alone would leave them on their GPUs."""
+    pid_file = tmp_path / "child.pid"
+    parent = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)")
+    with (tmp_path / "log").open("w") as out:
+        started = time.monotonic()
+        assert bench.run_in_own_group([sys.executable, "-c", parent], dict(os.environ), out, timeout=3) is None
+    assert time.monotonic() - started < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        if not alive(child):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the child {child} outlived its group")
+
+
+def alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie (killed, waiting for whoever adopted it to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
