@@ -209,15 +209,18 @@ def train_py_command(config: Config, setup: Setup, args: argparse.Namespace, wor
 
 
 def run_in_own_group(command: list[str], env: dict[str, str], out: IO[str], timeout: float) -> int | None:
-    """Run ``command`` in a process group of its own; its exit code, or None if it ran past ``timeout`` seconds,
-    when the whole group is killed: the ranks Lightning started beside it too, which would hold their GPUs."""
+    """Run ``command`` in a process group of its own; its exit code, or None if it ran past ``timeout`` seconds.
+    Then, or on Ctrl-C (which a new session does not receive), the whole group is killed: the ranks Lightning
+    started beside it too, which would hold their GPUs."""
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
         return None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, workdir: Path) -> Run:
