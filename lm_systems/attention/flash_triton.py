@@ -242,7 +242,8 @@ def _faster_when_compiled(q: torch.Tensor) -> bool:
             and q.shape[-2] <= AUTO_MAX_SEQ_LEN)
 
 
-@register_attention("flash_triton", when_compiled=_faster_when_compiled)
+@register_attention("flash_triton", when_compiled=_faster_when_compiled,
+                    takes=f"fp16 / bf16 CUDA queries of at most {AUTO_MAX_SEQ_LEN} positions")
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """FlashAttention-2 in Triton (fp16 / bf16 / fp32, head dims 16..128)."""
     return FlashAttention2Triton.apply(q, k, v, is_causal)

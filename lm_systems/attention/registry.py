@@ -11,18 +11,19 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.T
 _REGISTRY: dict[str, AttentionFn] = {}
 
 # ``auto``: sdpa, except inside torch.compile, where the first implementation registered with ``when_compiled``
-# that takes the query is chosen (flash_triton for fp16 / bf16 on CUDA). Compiled, Inductor launches
+# that takes the query is chosen (flash_triton for fp16 / bf16 on CUDA, up to 2048 positions). Compiled, Inductor launches
 # flash_triton's kernels itself; eager, its Python autograd path costs more host time than sdpa on a host-bound
 # step (benchmarks/results/train_step.md, docs/attention.md).
 _AUTO = "sdpa"
 _AUTO_WHEN_COMPILED: list[tuple[str, Callable[[torch.Tensor], bool]]] = []
+_AUTO_TAKES: dict[str, str] = {}
 
 
 def register_attention(
-    name: str, when_compiled: Callable[[torch.Tensor], bool] | None = None
+    name: str, when_compiled: Callable[[torch.Tensor], bool] | None = None, takes: str = "the queries it takes"
 ) -> Callable[[AttentionFn], AttentionFn]:
     """Decorator: make ``fn`` available to the model as ``attention=name``; ``auto`` takes it inside
-    torch.compile for the queries ``when_compiled(q)`` accepts."""
+    torch.compile for the queries ``when_compiled(q)`` accepts, which ``takes`` says in words."""
 
     def decorator(fn: AttentionFn) -> AttentionFn:
         if name in _REGISTRY or name == "auto":
@@ -30,6 +31,7 @@ def register_attention(
         _REGISTRY[name] = fn
         if when_compiled is not None:
             _AUTO_WHEN_COMPILED.append((name, when_compiled))
+            _AUTO_TAKES[name] = takes
         return fn
 
     return decorator
@@ -62,7 +64,7 @@ def describe_attention(name: str, compiled: bool) -> str:
     """What ``name`` runs, in words: ``auto`` in eager code is its eager choice; compiled, it may differ per query."""
     if name != "auto":
         return name
-    choices = ", ".join(candidate for candidate, _ in _AUTO_WHEN_COMPILED)
+    choices = "; ".join(f"{candidate} for {_AUTO_TAKES[candidate]}" for candidate, _ in _AUTO_WHEN_COMPILED)
     if not compiled or not choices:
         return _AUTO
-    return f"auto: {choices} inside torch.compile where it takes the inputs, else {_AUTO}"
+    return f"auto: inside torch.compile {choices}, else {_AUTO}"

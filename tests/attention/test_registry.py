@@ -55,7 +55,8 @@ def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_qu
     assert not _faster_when_compiled(query(head_dim=256))
     assert _faster_when_compiled(query(seq_len=2048))  # measured faster than sdpa in the step at 512 and 2048
     assert not _faster_when_compiled(query(seq_len=8192))  # and slower at 8192
-    assert "flash_triton inside torch.compile" in describe_attention("auto", compiled=True)
+    assert "inside torch.compile flash_triton for fp16 / bf16 CUDA queries of at most 2048 positions, else sdpa" in \
+        describe_attention("auto", compiled=True)
     assert describe_attention("auto", compiled=False) == "sdpa" and describe_attention("naive", True) == "naive"
 
 
