@@ -165,8 +165,9 @@ class ShardedUnit:
             return
         shards = [p.shard.detach().view(-1) for p in self.params]
         sent = shards
-        if any(p.shard.dtype != p.full.dtype for p in self.params):
-            sent = [torch.empty_like(shard, dtype=p.full.dtype) for shard, p in zip(shards, self.params)]
+        if any(p.shard.dtype != p.full.dtype for p in self.params):  # one staging buffer, one multi-tensor cast
+            staging = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+            sent = list(staging.split([p.numel for p in self.params]))
             foreach_copy_(sent, shards)
         targets = [p.gather_target() for p in self.params]
         self._gathering = sent, _all_gather_params(targets, sent, self._process_group)
