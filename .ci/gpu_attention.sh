@@ -17,20 +17,9 @@ mkdir -p "$OUT/results"
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tune headline tests long)
 
-# The GPU image lacks jsonargparse[signatures] (train.py's LightningCLI) and datasets: wheels in .whl/.
-if [ -d .whl ] && ! python -c "import docstring_parser, typeshed_client" 2>/dev/null; then
-    python -m pip install --quiet --no-index --find-links .whl "jsonargparse[signatures]" datasets
-fi
+source .ci/gpu_stages.sh  # the wheels the GPU image lacks; run STAGE SECONDS COMMAND...
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee "$OUT/versions.txt"
-
-run() {  # run STAGE_NAME SECONDS COMMAND...: log to $OUT/STAGE_NAME.log, print the wall time
-    local name=$1 limit=$2; shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
-    local code=$?
-    echo "== $name: exit $code after $((SECONDS - start)) s wall" | tee -a "$OUT/summary.txt"
-}
 
 for stage in "${STAGES[@]}"; do
     case $stage in

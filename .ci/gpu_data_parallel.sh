@@ -18,20 +18,9 @@ mkdir -p "$OUT"
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests)
 
-# The GPU image lacks jsonargparse[signatures] (train.py's LightningCLI) and datasets: wheels in .whl/.
-if [ -d .whl ] && ! python -c "import docstring_parser, typeshed_client" 2>/dev/null; then
-    python -m pip install --quiet --no-index --find-links .whl "jsonargparse[signatures]" datasets
-fi
+source .ci/gpu_stages.sh  # the wheels the GPU image lacks; run STAGE SECONDS COMMAND...
 python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.device_count(), \
 'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-
-run() {  # run STAGE_NAME SECONDS COMMAND...: log to $OUT/STAGE_NAME.log, print the wall time
-    local name=$1 limit=$2; shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
-    local code=$?
-    echo "== $name: exit $code after $((SECONDS - start)) s wall" | tee -a "$OUT/summary.txt"
-}
 
 scaling() {  # scaling NAME CONFIG SETUPS...
     local name=$1 config=$2; shift 2

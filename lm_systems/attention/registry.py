@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -11,12 +11,21 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.T
 _REGISTRY: dict[str, AttentionFn] = {}
 
 # ``auto``: sdpa, except inside torch.compile, where the first implementation registered with ``when_compiled``
-# that takes the query is chosen (flash_triton for fp16 / bf16 on CUDA, up to 2048 positions). Compiled, Inductor launches
-# flash_triton's kernels itself; eager, its Python autograd path costs more host time than sdpa on a host-bound
-# step (benchmarks/results/train_step.md, docs/attention.md).
+# that takes the query is chosen (flash_triton for fp16 / bf16 on CUDA, up to 2048 positions). Compiled,
+# Inductor launches flash_triton's kernels itself; eager, its Python autograd path costs more host time than
+# sdpa on a host-bound step (benchmarks/results/train_step.md, docs/attention.md).
 _AUTO = "sdpa"
-_AUTO_WHEN_COMPILED: list[tuple[str, Callable[[torch.Tensor], bool]]] = []
-_AUTO_TAKES: dict[str, str] = {}
+
+
+class AutoChoice(NamedTuple):
+    """An implementation ``auto`` takes inside torch.compile for the queries ``takes(q)`` accepts (``says``: which)."""
+
+    name: str
+    takes: Callable[[torch.Tensor], bool]
+    says: str
+
+
+_AUTO_WHEN_COMPILED: list[AutoChoice] = []
 
 
 def register_attention(
@@ -30,8 +39,7 @@ def register_attention(
             raise ValueError(f"attention {name!r} is already registered")
         _REGISTRY[name] = fn
         if when_compiled is not None:
-            _AUTO_WHEN_COMPILED.append((name, when_compiled))
-            _AUTO_TAKES[name] = takes
+            _AUTO_WHEN_COMPILED.append(AutoChoice(name, when_compiled, takes))
         return fn
 
     return decorator
@@ -47,9 +55,9 @@ def resolve_attention_name(name: str, query: torch.Tensor | None = None) -> str:
     to the eager choice. Other names are returned as they are."""
     if name == "auto":
         if query is not None and torch.compiler.is_compiling():
-            for candidate, takes in _AUTO_WHEN_COMPILED:
-                if takes(query):
-                    return candidate
+            for choice in _AUTO_WHEN_COMPILED:
+                if choice.takes(query):
+                    return choice.name
         return _AUTO
     return name
 
@@ -64,7 +72,7 @@ def describe_attention(name: str, compiled: bool) -> str:
     """What ``name`` runs, in words: ``auto`` in eager code is its eager choice; compiled, it may differ per query."""
     if name != "auto":
         return name
-    choices = "; ".join(f"{candidate} for {_AUTO_TAKES[candidate]}" for candidate, _ in _AUTO_WHEN_COMPILED)
+    choices = "; ".join(f"{choice.name} for {choice.says}" for choice in _AUTO_WHEN_COMPILED)
     if not compiled or not choices:
         return _AUTO
     return f"auto: inside torch.compile {choices}, else {_AUTO}"

@@ -69,7 +69,6 @@ class ShardedParam:
     shape: torch.Size
     slots: list[tuple[nn.Module, str]]
     names: list[str]
-    world_size: int
     offset: int = 0  # in the unit's flat shard (gather_masters' layout)
     grad_offset: int = -1  # in the unit's flat gradient shard (reduce-scatter output); -1: frozen
 
@@ -77,12 +76,12 @@ class ShardedParam:
     def numel(self) -> int:
         return self.shard.numel()
 
-    def gather_target(self) -> torch.Tensor:
-        """The full parameter's storage, allocated, as one flat tensor for every rank's shard in rank order.
+    def gather_target(self, world_size: int) -> torch.Tensor:
+        """The full parameter's storage, allocated, as one flat tensor for ``world_size`` shards in rank order.
         Through ``.data``: refilling a leaf that autograd saved for backward must not bump its version."""
-        data = self.full.data
-        data.untyped_storage().resize_(self.numel * self.world_size * data.element_size())
-        return data.as_strided((self.numel * self.world_size,), (1,))
+        data, size = self.full.data, self.numel * world_size
+        data.untyped_storage().resize_(size * data.element_size())
+        return data.as_strided((size,), (1,))
 
     def release(self) -> None:
         self.full.untyped_storage().resize_(0)
@@ -120,8 +119,7 @@ class ShardedUnit:
                  reduce_dtype: torch.dtype | None) -> None:
         self.module = module
         self.prefix = prefix
-        self.group = group
-        self._process_group = group if group is not None else dist.group.WORLD
+        self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.params: list[ShardedParam] = []
@@ -134,7 +132,7 @@ class ShardedUnit:
             full = nn.Parameter(torch.empty(original.shape, dtype=dtype, device=original.device),
                                 requires_grad=original.requires_grad)
             full.untyped_storage().resize_(0)
-            param = ShardedParam(shard, full, original.shape, slots, names, self.world_size, offset)
+            param = ShardedParam(shard, full, original.shape, slots, names, offset)
             offset += param.numel
             if original.requires_grad:
                 param.grad_offset = grad_offset
@@ -147,6 +145,10 @@ class ShardedUnit:
         self.device = self.params[0].shard.device
         # NCCL averages in the reduction; gloo has no AVG: it sums, and the mean is taken after.
         self._native_average = "nccl" in str(dist.get_backend(group)).lower() and self.device.type == "cuda"
+        self._gathers_cast = any(p.shard.dtype != p.full.dtype for p in self.params)
+        # The unit's one master dtype, into which finishing casts all its means at once (None: mixed dtypes).
+        masters = {p.shard.dtype for p in self.trainable}
+        self._master_dtype = masters.pop() if len(masters) == 1 else None
         self._gathering: tuple[list[torch.Tensor], dist.Work] | None = None
         self.gathered = False
         self._install(full=False)
@@ -165,12 +167,12 @@ class ShardedUnit:
             return
         shards = [p.shard.detach().view(-1) for p in self.params]
         sent = shards
-        if any(p.shard.dtype != p.full.dtype for p in self.params):  # one staging buffer, one multi-tensor cast
+        if self._gathers_cast:  # one staging buffer, one multi-tensor cast
             staging = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
             sent = list(staging.split([p.numel for p in self.params]))
             foreach_copy_(sent, shards)
-        targets = [p.gather_target() for p in self.params]
-        self._gathering = sent, _all_gather_params(targets, sent, self._process_group)
+        targets = [p.gather_target(self.world_size) for p in self.params]
+        self._gathering = sent, _all_gather_params(targets, sent, self.group)
 
     @torch.no_grad()
     def gather(self) -> None:
@@ -223,7 +225,7 @@ class ShardedUnit:
         else:
             sent.append(torch.tensor(local, dtype=self.reduce_dtype).repeat(self.world_size).to(self.device))
         op = dist.ReduceOp.AVG if self._native_average else dist.ReduceOp.SUM
-        work = _reduce_scatter_grads(outputs, sent, self._process_group, op)
+        work = _reduce_scatter_grads(outputs, sent, self.group, op)
         return PendingReduction(self, sent, output, work, local)
 
     def _reduce_input(self, p: ShardedParam) -> torch.Tensor:
@@ -246,9 +248,8 @@ class ShardedUnit:
         means = output[: self.grad_numel]
         if not self._native_average:
             means.div_(self.world_size)
-        master = self.trainable[0].shard.dtype
-        if means.dtype != master and all(p.shard.dtype == master for p in self.trainable):
-            means = means.to(master)  # one cast for the unit
+        if self._master_dtype is not None:
+            means = means.to(self._master_dtype)  # one cast for the unit (none if it is the reduce dtype)
         # All present here means present everywhere: no read of the flags (no host-device sync).
         anywhere = pending.local_present if all(pending.local_present) else \
             (output[self.grad_numel :] > 0).tolist()

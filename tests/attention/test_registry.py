@@ -33,7 +33,8 @@ def test_reference_implementations_match_float64(name, is_causal, n_q, n_k):
 
 def test_auto_is_sdpa_in_eager_and_the_registered_choice_inside_torch_compile(monkeypatch):
     half, full = torch.randn(1, 2, 8, 16, dtype=torch.float16), torch.randn(1, 2, 8, 16)
-    monkeypatch.setattr(registry, "_AUTO_WHEN_COMPILED", [("naive", lambda q: q.dtype == torch.float16)])
+    monkeypatch.setattr(registry, "_AUTO_WHEN_COMPILED",
+                        [registry.AutoChoice("naive", lambda q: q.dtype == torch.float16, "fp16 queries")])
     assert resolve_attention_name("auto") == resolve_attention_name("auto", half) == "sdpa"
     assert get_attention("auto", half) is get_attention("sdpa")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -48,7 +49,7 @@ def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_qu
     def query(is_cuda=True, dtype=torch.bfloat16, head_dim=64, seq_len=512):
         return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 25, seq_len, head_dim))
 
-    assert ("flash_triton", _faster_when_compiled) in registry._AUTO_WHEN_COMPILED
+    assert ("flash_triton", _faster_when_compiled) in [choice[:2] for choice in registry._AUTO_WHEN_COMPILED]
     assert _faster_when_compiled(query()) and _faster_when_compiled(query(dtype=torch.float16))
     assert not _faster_when_compiled(query(dtype=torch.float32))  # its fp32 path is for correctness
     assert not _faster_when_compiled(query(is_cuda=False))
@@ -75,7 +76,8 @@ def test_auto_dispatches_inside_a_compiled_graph_without_a_break(monkeypatch):
         return naive(*args)
 
     monkeypatch.setitem(registry._REGISTRY, "naive", counted_naive)
-    monkeypatch.setattr(registry, "_AUTO_WHEN_COMPILED", [("naive", lambda q: q.dtype == torch.float32)])
+    monkeypatch.setattr(registry, "_AUTO_WHEN_COMPILED",
+                        [registry.AutoChoice("naive", lambda q: q.dtype == torch.float32, "fp32 queries")])
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     compiled = torch.compile(lambda q, k, v: get_attention("auto", q)(q, k, v, True), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v), naive(q, k, v, True))
