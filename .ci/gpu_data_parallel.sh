@@ -4,7 +4,8 @@
 #             weights by default) and 16-mixed, overlap_ddp and fsdp2 in 16-mixed
 #   resumes   the zero1 and zero3 two-GPU resumes
 #   scaling   xl compiled at 1024 x 8 per GPU through train.py: one GPU, bucketed_ddp with fp32 and with bf16
-#             gradients on the wire, zero1 (benchmarks.scaling, one round)
+#             gradients on the wire (25 and 100 MB buckets), zero1 with bf16 and fp32 gradients (benchmarks.scaling,
+#             one round; results are written after every visit)
 #   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp, zero3, fsdp2
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
@@ -40,7 +41,8 @@ for stage in "${STAGES[@]}"; do
             -k "resume and (zero1 or zero3)" --junitxml="$OUT/resumes_2gpu.xml"
         ;;
     scaling)
-        scaling scaling 1024x8:compiled single bucketed_ddp bucketed_ddp+grad_comm_dtype=bf16 zero1
+        scaling scaling 1024x8:compiled single bucketed_ddp bucketed_ddp+grad_comm_dtype=bf16 \
+            bucketed_ddp:100+grad_comm_dtype=bf16 zero1+grad_comm_dtype=bf16 zero1
         ;;
     eager)
         scaling eager 512x4:eager single bucketed_ddp zero3 fsdp2
