@@ -6,7 +6,8 @@
 #   scaling   xl compiled at 1024 x 8 per GPU through train.py: one GPU, bucketed_ddp with fp32 and with bf16
 #             gradients on the wire (25 and 100 MB buckets), zero1 with bf16 and fp32 gradients (benchmarks.scaling,
 #             one round; results are written after every visit)
-#   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp, zero3, fsdp2
+#   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at 25 and 1000 MB (1000 MB scaled 85-95% eager in
+#             bench.ddp's paired runs, never through train.py), zero3, fsdp2
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
 #   .ci/gpu_data_parallel.sh scaling
@@ -45,7 +46,7 @@ for stage in "${STAGES[@]}"; do
             bucketed_ddp:100+grad_comm_dtype=bf16 zero1+grad_comm_dtype=bf16 zero1
         ;;
     eager)
-        scaling eager 512x4:eager single bucketed_ddp zero3 fsdp2
+        scaling eager 512x4:eager single bucketed_ddp bucketed_ddp:1000 zero3 fsdp2
         ;;
     *)
         echo "unknown stage $stage (tests, resumes, scaling, eager)"; exit 2
