@@ -69,19 +69,32 @@ class ShardedParam:
     shape: torch.Size
     slots: list[tuple[nn.Module, str]]
     names: list[str]
+    flat: torch.Tensor  # the full parameter's storage as one flat tensor for every rank's shard, in rank order
     offset: int = 0  # in the unit's flat shard (gather_masters' layout)
     grad_offset: int = -1  # in the unit's flat gradient shard (reduce-scatter output); -1: frozen
+
+    @classmethod
+    def create(cls, original: torch.Tensor, shard: nn.Parameter, dtype: torch.dtype, world_size: int,
+               slots: list[tuple[nn.Module, str]], names: list[str], offset: int) -> "ShardedParam":
+        """The full parameter made once, its storage released; ``flat`` is made while it is allocated (a view
+        follows its storage through every later release and allocation, so no gather makes a new one). Through
+        ``.data``: refilling a leaf that autograd saved for backward must not bump its version."""
+        full = nn.Parameter(torch.empty(original.shape, dtype=dtype, device=original.device),
+                            requires_grad=original.requires_grad)
+        size = shard.numel() * world_size
+        full.untyped_storage().resize_(size * full.element_size())
+        flat = full.data.as_strided((size,), (1,))
+        full.untyped_storage().resize_(0)
+        return cls(shard, full, original.shape, slots, names, flat, offset)
 
     @property
     def numel(self) -> int:
         return self.shard.numel()
 
-    def gather_target(self, world_size: int) -> torch.Tensor:
-        """The full parameter's storage, allocated, as one flat tensor for ``world_size`` shards in rank order.
-        Through ``.data``: refilling a leaf that autograd saved for backward must not bump its version."""
-        data, size = self.full.data, self.numel * world_size
-        data.untyped_storage().resize_(size * data.element_size())
-        return data.as_strided((size,), (1,))
+    def allocate(self) -> torch.Tensor:
+        """Give the full parameter its storage back; returns ``flat``, which the all-gather fills."""
+        self.full.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        return self.flat
 
     def release(self) -> None:
         self.full.untyped_storage().resize_(0)
@@ -126,13 +139,10 @@ class ShardedUnit:
         self.trainable: list[ShardedParam] = []
         offset = grad_offset = 0
         for original, slots, names in params:
-            dtype = compute_dtype or original.dtype
             shard = nn.Parameter(shard_rows(original.detach(), self.rank, self.world_size),
                                  requires_grad=original.requires_grad)
-            full = nn.Parameter(torch.empty(original.shape, dtype=dtype, device=original.device),
-                                requires_grad=original.requires_grad)
-            full.untyped_storage().resize_(0)
-            param = ShardedParam(shard, full, original.shape, slots, names, offset)
+            param = ShardedParam.create(original, shard, compute_dtype or original.dtype, self.world_size, slots,
+                                        names, offset)
             offset += param.numel
             if original.requires_grad:
                 param.grad_offset = grad_offset
@@ -160,7 +170,8 @@ class ShardedUnit:
 
     # -- gathering ---------------------------------------------------------------------------
 
-    @torch.no_grad()
+    # Gathering runs twice per unit and step, without torch.no_grad (whose decorator costs as much as the rest):
+    # it records nothing for autograd, the shards being read detached and the full parameters written through ``flat``.
     def start_gather(self) -> None:
         """Launch the all-gather of every rank's shards, in the compute dtype (no-op if under way or done)."""
         if self.gathered or self._gathering is not None:
@@ -171,10 +182,9 @@ class ShardedUnit:
             staging = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
             sent = list(staging.split([p.numel for p in self.params]))
             foreach_copy_(sent, shards)
-        targets = [p.gather_target(self.world_size) for p in self.params]
+        targets = [p.allocate() for p in self.params]
         self._gathering = sent, _all_gather_params(targets, sent, self.group)
 
-    @torch.no_grad()
     def gather(self) -> None:
         """Make the full parameters the module's, gathered (waits for a prefetch started earlier)."""
         if self.gathered:
