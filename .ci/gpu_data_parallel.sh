@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 30's data-parallel work on two CUDA GPUs of one host (torch 2.11; each stage fits one 10-minute call):
-#   tests     python train.py --devices 2 against torch DDP where no GPU run exists yet: zero3 in bf16-mixed (its bf16
-#             weights by default) and 16-mixed, overlap_ddp and fsdp2 in 16-mixed
-#   resumes   the zero1 and zero3 two-GPU resumes
+#   tests     python train.py --devices 2 against torch DDP, the runs added last: zero3 in bf16-mixed (its bf16 weights
+#             by default) and 16-mixed, overlap_ddp and fsdp2 in 16-mixed (passed on 2 x H100, 2026-11-26)
+#   resumes   the zero1 and zero3 two-GPU resumes (passed, same call)
 #   scaling   xl compiled at 1024 x 8 per GPU through train.py: one GPU, bucketed_ddp with fp32 and with bf16
 #             gradients on the wire (25 and 100 MB buckets), zero1 with bf16 and fp32 gradients (benchmarks.scaling,
 #             one round; results are written after every visit)
