@@ -159,6 +159,9 @@ class ShardedUnit:
         # The unit's one master dtype, into which finishing casts all its means at once (None: mixed dtypes).
         masters = {p.shard.dtype for p in self.trainable}
         self._master_dtype = masters.pop() if len(masters) == 1 else None
+        # The presence flags every rank sends when it holds every gradient (the common case): read-only, made once.
+        self._all_present = torch.ones(self.world_size * len(self.trainable), dtype=self.reduce_dtype,
+                                       device=self.device)
         self._gathering: tuple[list[torch.Tensor], dist.Work] | None = None
         self.gathered = False
         self._install(full=False)
@@ -230,8 +233,8 @@ class ShardedUnit:
             sent.append(self._reduce_input(p))
             local.append(p.full.grad is not None)
             p.full.grad = None
-        if all(local):  # a device-side fill: no host-device copy on the common path
-            sent.append(torch.ones(self.world_size * flags, dtype=self.reduce_dtype, device=self.device))
+        if all(local):  # no host-device copy on the common path
+            sent.append(self._all_present)
         else:
             sent.append(torch.tensor(local, dtype=self.reduce_dtype).repeat(self.world_size).to(self.device))
         op = dist.ReduceOp.AVG if self._native_average else dist.ReduceOp.SUM
