@@ -25,6 +25,7 @@ launch-bound hosts.
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -37,12 +38,13 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from typing_extensions import override
 
 from lm_systems.compat.lightning import ModelWrappingDDPStrategy
 from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP,
-                                 gradient_process_group)
+                                 default_bucket_size_mb, gradient_process_group)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -171,17 +173,34 @@ class OverlapDDPStrategy(LaunchThreadDDPStrategy):
 
 
 class BucketedDDPStrategy(LaunchThreadDDPStrategy):
-    """Bucketed gradient all-reduce overlapped with backward; ``bucket_size_mb`` caps each bucket."""
+    """Bucketed gradient all-reduce overlapped with backward; ``bucket_size_mb`` caps each bucket.
+
+    ``bucket_size_mb`` None (the default) picks by the model: on one host, a compiled model's gradients go in one
+    bucket, averaged once backward ends, and an eager model's in 1000 MB buckets; across hosts, 25 MB (see
+    ``lm_systems.parallel.default_bucket_size_mb``). ``.inf`` (YAML's infinity, on the command line too) asks
+    for one bucket whatever the model.
+    """
 
     strategy_name = "bucketed_ddp"
     strategy_description = "BucketedDDP: bucketed all-reduce overlapped with backward"
 
-    def __init__(self, bucket_size_mb: float = 25.0, **kwargs: Any) -> None:
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb} (strategy init_args.bucket_size_mb)")
+    def __init__(self, bucket_size_mb: Optional[float] = None, **kwargs: Any) -> None:
+        if bucket_size_mb is not None and not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive (or None to pick by the model), got {bucket_size_mb} "
+                             "(strategy init_args.bucket_size_mb)")
         super().__init__(**kwargs)
         self._bucket_size_mb = bucket_size_mb
 
+    def bucket_size_mb_for(self, module: Module) -> float:
+        """The cap ``module``'s gradients are bucketed by: the one given, else the default for the model."""
+        return self._bucket_size_mb or default_bucket_size_mb(module, self.num_nodes)
+
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
-        return BucketedDDP(module, bucket_size_mb=self._bucket_size_mb, launch_thread=self._launch_thread, **comm)
+        cap = self.bucket_size_mb_for(module)
+        wrapped = BucketedDDP(module, bucket_size_mb=cap, launch_thread=self._launch_thread, **comm)
+        plan = ("in one bucket, once backward has ended" if math.isinf(cap)
+                else f"in {len(wrapped.buckets)} bucket(s) of at most {cap:g} MB, each launched once filled")
+        chosen = " (the default for this model; set bucket_size_mb to change)" if self._bucket_size_mb is None else ""
+        rank_zero_info(f"{self.strategy_name}: gradients averaged {plan}{chosen}")
+        return wrapped

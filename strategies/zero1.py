@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 from torch.optim import Optimizer
@@ -32,7 +32,7 @@ class Zero1Strategy(BucketedDDPStrategy):
     strategy_name = "zero1"
     strategy_description = "ZeRO-1: BucketedDDP gradients, ShardedOptimizer state"
 
-    def __init__(self, bucket_size_mb: float = 25.0, exchange: Exchange = "p2p", exchange_stages: int = 4,
+    def __init__(self, bucket_size_mb: Optional[float] = None, exchange: Exchange = "p2p", exchange_stages: int = 4,
                  comm_high_priority: bool = True, **kwargs: Any) -> None:
         if exchange not in ("p2p", "broadcast"):
             raise ValueError(f"exchange must be 'p2p' or 'broadcast', got {exchange!r} (strategy init_args.exchange)")

@@ -43,6 +43,8 @@ def one_line_error(args: list[str], capsys, status: int = 2) -> str:
     assert len(errors) == 1 and errors[0] == err.strip().splitlines()[-1], err
     return errors[0]
 
+BAD_BUCKET = "error: bucket_size_mb must be positive (or None to pick by the model), got -1.0 (strategy init_args."
+
 
 @pytest.mark.parametrize(
     "args, says",
@@ -51,9 +53,8 @@ def one_line_error(args: list[str], capsys, status: int = 2) -> str:
         (["--model.size", "huge"], "error: unknown model size 'huge' (set --model.size to one of: tiny, small"),
         (["--model.context_length", "0"], "error: --model.context_length must be positive, got 0"),
         (["--trainer.strategy", "strategies.BucketedDDPStrategy", "--trainer.strategy.bucket_size_mb", "-1"],
-         "error: bucket_size_mb must be positive, got -1.0 (strategy init_args.bucket_size_mb)"),
-        (["--strategy", "bucketed_ddp", "--trainer.strategy.bucket_size_mb", "-1"],
-         "error: bucket_size_mb must be positive, got -1.0 (strategy init_args.bucket_size_mb)"),
+         BAD_BUCKET),
+        (["--strategy", "bucketed_ddp", "--trainer.strategy.bucket_size_mb", "-1"], BAD_BUCKET),
     ],
     ids=["devices", "size", "context", "bucket-class", "bucket-name"],
 )

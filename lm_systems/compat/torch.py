@@ -17,6 +17,14 @@ def set_module_parameter(module: torch.nn.Module, name: str, value: Optional[tor
     module._parameters[name] = value
 
 
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or one of its submodules runs torch.compiled: by ``Module.compile()`` (which sets
+    ``_compiled_call_impl``) or by a forward replaced with ``torch.compile(forward)`` (the function torch.compile
+    returns keeps the original as ``_torchdynamo_orig_callable``)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None
+               or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules())
+
+
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the backward pass now running has finished (torch's FSDP does its last reductions so):
     autograd's engine queue, which torch exposes only through ``Variable._execution_engine``."""

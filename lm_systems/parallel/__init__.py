@@ -2,7 +2,8 @@
 
 - ``NaiveDDP(module, flat=False)``: all-reduce after backward, per parameter or flattened.
 - ``PerParameterDDP(module)``: per-parameter async all-reduce launched during backward.
-- ``BucketedDDP(module, bucket_size_mb)``: bucketed async all-reduce, in place in autograd's own gradients.
+- ``BucketedDDP(module, bucket_size_mb)``: bucketed async all-reduce, in place in autograd's own gradients;
+  ``default_bucket_size_mb(module, hosts)`` the cap the strategies pick when none is given.
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
 - ``FullyShardedDataParallel(module, compute_dtype=None, unit_types=None)``: parameters, gradients and optimizer
   state sharded over ranks (ZeRO stage 3), each unit gathered just before its forward and its backward.
@@ -10,7 +11,7 @@
 """
 
 from lm_systems.parallel.base import DataParallelModule
-from lm_systems.parallel.bucketed import BucketedDDP, assign_buckets
+from lm_systems.parallel.bucketed import BucketedDDP, assign_buckets, default_bucket_size_mb
 from lm_systems.parallel.collectives import gradient_process_group
 from lm_systems.parallel.fully_sharded import FullyShardedDataParallel
 from lm_systems.parallel.naive import NaiveDDP
@@ -26,6 +27,7 @@ __all__ = [
     "PerParameterDDP",
     "ShardedOptimizer",
     "assign_buckets",
+    "default_bucket_size_mb",
     "gradient_process_group",
     "optimizer_init_kwargs",
 ]

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lm_systems.parallel.bucketed import MiB, assign_buckets
+from lm_systems.parallel.bucketed import ONE_BUCKET, MiB, assign_buckets
 
 
 def params(*sizes_mb: float, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -55,3 +55,9 @@ def test_dtypes_never_share_a_bucket():
 def test_a_cap_that_is_not_positive_is_refused():
     with pytest.raises(ValueError, match="bucket_size_mb"):
         assign_buckets(params(1), 0)
+
+
+def test_one_bucket_takes_every_gradient_of_a_kind_once_backward_ends():
+    order = params(0.1, 300, 2, 40, 0.5)
+    buckets = assign_buckets(order, ONE_BUCKET)
+    assert [[id(p) for p in b] for b in buckets] == [[id(p) for p in order]]

@@ -124,6 +124,7 @@ class Recorder(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.wrapper = type(trainer.strategy.model).__name__
         self.launch_thread = getattr(trainer.strategy.model, "_launcher", None) is not None
+        self.bucket_size_mb = getattr(trainer.strategy.model, "bucket_size_mb", None)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._calls_at_start = self.calls
@@ -141,6 +142,7 @@ class Recorder(Callback):
             "val_loss": trainer.callback_metrics["val_loss"].item(),
             "wrapper": self.wrapper,
             "launch_thread": self.launch_thread,
+            "bucket_size_mb": self.bucket_size_mb,
             "unwrapped": trainer.strategy.model is pl_module,
             "hooks_left": sum(bool(p._post_accumulate_grad_hooks) for p in pl_module.parameters()),
             "module_hooks_left": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in pl_module.modules()),

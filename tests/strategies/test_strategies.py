@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 import strategies  # noqa: F401  (registers the strategy names)
+from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB, EAGER_BUCKET_MB, ONE_BUCKET
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer,
                               run_cpu_strategies, zero1_epoch0_checkpoint)
 
@@ -103,6 +105,25 @@ def test_backward_launching_strategies_use_a_launch_thread_unless_told_not_to(ru
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["bucketed_ddp", "zero1"])
+def test_an_eager_model_is_bucketed_by_the_default_cap(runs, name):
+    assert [result["bucket_size_mb"] for result in runs[name]] == [EAGER_BUCKET_MB] * 2
+
+
+@pytest.mark.parametrize("strategy", ["BucketedDDPStrategy", "Zero1Strategy"])
+def test_a_given_bucket_cap_wins_else_the_model_and_hosts_choose(strategy):
+    eager, compiled = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+    compiled[0].forward = torch.compile(compiled[0].forward)  # lazy: nothing is traced
+    cls = getattr(strategies, strategy)
+    assert cls(bucket_size_mb=5).bucket_size_mb_for(compiled) == 5
+    chosen = cls()
+    assert chosen.bucket_size_mb_for(eager) == EAGER_BUCKET_MB
+    assert chosen.bucket_size_mb_for(compiled) == ONE_BUCKET
+    chosen.num_nodes = 2
+    assert chosen.bucket_size_mb_for(compiled) == ACROSS_HOSTS_BUCKET_MB
+
+
+@pytest.mark.slow
 def test_zero1_ranks_hold_state_only_for_their_shard(runs):
     owned = [set(runs["zero1"][r]["owned"]) for r in range(2)]
     assert owned[0] and owned[1] and owned[0].isdisjoint(owned[1])
@@ -132,6 +153,7 @@ def test_spawn_variant_through_lightnings_launcher(out_dir, reference):
 
 @pytest.mark.parametrize("strategy, options, said", [
     ("BucketedDDPStrategy", {"bucket_size_mb": 0}, "bucket_size_mb"),
+    ("Zero1Strategy", {"bucket_size_mb": float("nan")}, "bucket_size_mb"),
     ("BucketedDDPStrategy", {"grad_comm_dtype": "int8"}, "grad_comm_dtype"),
     ("BucketedDDPStrategy", {"comm_max_ctas": 0}, "comm_max_ctas"),
     ("Zero1Strategy", {"exchange": "allgather"}, "init_args.exchange"),
