@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Literal, Optional
 
 from lightning.pytorch import Trainer
+from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lm_systems.parallel import ShardedOptimizer, optimizer_init_kwargs
+from lm_systems.parallel import DataParallelModule, ShardedOptimizer, optimizer_init_kwargs
 from lm_systems.parallel.sharded_optimizer import Exchange
 from strategies.data_parallel import BucketedDDPStrategy
+
+GradReduce = Literal["all_reduce", "owner"]
 
 
 class Zero1Strategy(BucketedDDPStrategy):
@@ -27,13 +31,21 @@ class Zero1Strategy(BucketedDDPStrategy):
 
     The defaults differ from ShardedOptimizer's (one stage, default group): the update pipelined with the
     exchange in 4 stages on a high-priority stream, which is where the pipeline pays (docs/data_parallel.md).
+
+    ``grad_reduce="owner"`` reduces each gradient only to the rank that steps its parameter, instead of
+    all-reducing it (the bytes of a reduce-scatter, not an all-reduce; ZeRO-2's gradient path), and drops it
+    on the other ranks; clipping combines the ranks' norms. Hooks after synchronisation (``on_before_optimizer_step``)
+    then see this rank's gradients only. Not under 16-mixed (its GradScaler would find overflows per rank).
     """
 
     strategy_name = "zero1"
     strategy_description = "ZeRO-1: BucketedDDP gradients, ShardedOptimizer state"
 
     def __init__(self, bucket_size_mb: Optional[float] = None, exchange: Exchange = "p2p", exchange_stages: int = 4,
-                 comm_high_priority: bool = True, **kwargs: Any) -> None:
+                 comm_high_priority: bool = True, grad_reduce: GradReduce = "all_reduce", **kwargs: Any) -> None:
+        if grad_reduce not in ("all_reduce", "owner"):
+            raise ValueError(f"grad_reduce must be 'all_reduce' or 'owner', got {grad_reduce!r} "
+                             "(strategy init_args.grad_reduce)")
         if exchange not in ("p2p", "broadcast"):
             raise ValueError(f"exchange must be 'p2p' or 'broadcast', got {exchange!r} (strategy init_args.exchange)")
         if exchange_stages < 1:
@@ -42,6 +54,19 @@ class Zero1Strategy(BucketedDDPStrategy):
         super().__init__(bucket_size_mb=bucket_size_mb, comm_high_priority=comm_high_priority, **kwargs)
         self._exchange = exchange
         self._exchange_stages = exchange_stages
+        self._grad_reduce = grad_reduce
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        owner = self._grad_reduce == "owner"
+        if owner and getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("grad_reduce 'owner' does not run under 16-mixed: each rank would find overflows in "
+                             "its own gradients only; use bf16-mixed or grad_reduce 'all_reduce' "
+                             "(strategy init_args.grad_reduce)")
+        super().setup(trainer)
+        if owner and isinstance(self.model, DataParallelModule):
+            # Precision.clip_gradients (gradient_clip_val) would take each rank's own gradients' norm.
+            self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.model.clip_grad_norm_(clip_val)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -52,6 +77,8 @@ class Zero1Strategy(BucketedDDPStrategy):
                 if config.scheduler.optimizer is original:
                     config.scheduler.optimizer = wrapped
         self.optimizers = sharded
+        if self._grad_reduce == "owner" and isinstance(self.model, DataParallelModule):
+            self.model.reduce_to_owners(_owner_lookup(sharded))
 
     def _shard(self, optimizer: Optimizer) -> ShardedOptimizer:
         if isinstance(optimizer, ShardedOptimizer):
@@ -66,3 +93,17 @@ class Zero1Strategy(BucketedDDPStrategy):
         # whose step runs in the right order but carries no such mark.
         warnings.filterwarnings("ignore", message="Seems like `optimizer.step\\(\\)` has been overridden")
         return wrapped
+
+
+def _owner_lookup(sharded: list[ShardedOptimizer]) -> Callable[[Parameter], int]:
+    """The rank that steps a parameter, over every sharded optimizer; a clear error for one none of them holds."""
+    owners = {id(p): optimizer.owner(p) for optimizer in sharded for group in optimizer.param_groups
+              for p in group["params"]}
+
+    def owner(param: Parameter) -> int:
+        if id(param) not in owners:
+            raise ValueError(f"grad_reduce 'owner' needs every trainable parameter in an optimizer, but one of shape "
+                             f"{tuple(param.shape)} is in none: no rank would step it (strategy init_args.grad_reduce)")
+        return owners[id(param)]
+
+    return owner

@@ -30,14 +30,15 @@ RUN = ["--accelerator", "cpu", "--devices", "2", "--max_steps", str(STEPS), "--a
 RESUMED = ["bucketed_ddp", "zero1", "zero3"]
 # RESUMED first, at the same positions in both lists: pytest keys a module-scoped parameter by its position, and
 # then runs each strategy's uninterrupted run once for both tests.
-STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp"]
+ZERO1_OWNER = "zero1 --trainer.strategy.grad_reduce owner"  # each gradient reduced to the rank that steps it
+STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp", ZERO1_OWNER]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(strategy, train_py, tmp_path_factory) -> Path:
     """The whole run, checkpointing at STOP_AT and at the end; its records in the run folder."""
-    run_dir = tmp_path_factory.mktemp(f"{strategy}_uninterrupted")
-    train_py.run_ok(*train_py.tiny, *RUN, "--strategy", strategy, *record_into(run_dir), cwd=run_dir)
+    run_dir = tmp_path_factory.mktemp(f"{strategy.split()[0]}_uninterrupted")
+    train_py.run_ok(*train_py.tiny, *RUN, "--strategy", *strategy.split(), *record_into(run_dir), cwd=run_dir)
     return run_dir
 
 

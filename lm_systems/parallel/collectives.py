@@ -25,7 +25,7 @@ class PendingAverage:
 
     __slots__ = ("_sent", "_work", "_divisor", "_targets")
 
-    def __init__(self, sent: list[torch.Tensor], work: dist.Work, divisor: int | None,
+    def __init__(self, sent: list[torch.Tensor], work: dist.Work | _AllOf, divisor: int | None,
                  targets: list[torch.Tensor]) -> None:
         self._sent, self._work, self._divisor, self._targets = sent, work, divisor, targets
 
@@ -59,6 +59,7 @@ class GradientAverager:
         self._sum = _allreduce_options(dist.AllreduceOptions, dist.ReduceOp.SUM)
         self._avg_many = _allreduce_options(dist.AllreduceCoalescedOptions, dist.ReduceOp.AVG)
         self._sum_many = _allreduce_options(dist.AllreduceCoalescedOptions, dist.ReduceOp.SUM)
+        self._reduce: dict[tuple[int, dist.ReduceOp], dist.ReduceOptions] = {}
 
     def start(self, tensors: list[torch.Tensor]) -> PendingAverage:
         """Start averaging ``tensors`` (one device and dtype) in place over the group's ranks."""
@@ -72,9 +73,41 @@ class GradientAverager:
             work = self.group.allreduce_coalesced(sent, self._avg_many if native_avg else self._sum_many)
         return PendingAverage(sent, work, None if native_avg else self.world_size, tensors)
 
+    def start_to_owners(self, tensors: list[torch.Tensor], owners: list[int]) -> PendingAverage:
+        """Start reducing each of ``tensors`` to its mean over ranks on the rank ``owners`` names for it (ranks
+        of the group), in place there; elsewhere a tensor only sends, and its value afterwards is undefined."""
+        sent = tensors
+        if self.comm_dtype is not None and self.comm_dtype != tensors[0].dtype:
+            sent = [t.to(self.comm_dtype) for t in tensors]
+        native_avg = self._nccl and tensors[0].is_cuda
+        op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+        works = [self.group.reduce([t], self._reduce_options(owner, op)) for t, owner in zip(sent, owners)]
+        return PendingAverage(sent, _AllOf(works), None if native_avg else self.world_size, tensors)
+
+    def _reduce_options(self, root: int, op: dist.ReduceOp) -> dist.ReduceOptions:
+        key = (root, op)
+        if key not in self._reduce:
+            options = dist.ReduceOptions()
+            options.rootRank, options.reduceOp = root, op
+            self._reduce[key] = options
+        return self._reduce[key]
+
     def average(self, tensor: torch.Tensor) -> torch.Tensor:
         """Average ``tensor`` in place and wait for it."""
         return self.start([tensor]).wait()[0]
+
+
+class _AllOf:
+    """Several in-flight collectives, waited for as one."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
 
 
 def _allreduce_options(kind: type, op: dist.ReduceOp):

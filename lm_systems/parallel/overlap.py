@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -23,7 +23,8 @@ class OverlappedDDP(DataParallelModule):
     unused on one rank; a unit that is ready early waits for the ones before it. Units never launched
     during backward (unused parameters, ``no_sync``) are launched by ``finish_gradient_synchronization``.
     With ``launch_thread`` the launches run on a ``LaunchThread`` instead of in the hooks on autograd's
-    thread, which then only queue them.
+    thread, which then only queue them. After ``reduce_to_owners`` each gradient goes only to the rank that
+    steps its parameter (ZeRO-1's owner) instead of to every rank.
     """
 
     def __init__(self, module: nn.Module, units: list[list[nn.Parameter]],
@@ -42,12 +43,23 @@ class OverlappedDDP(DataParallelModule):
         self._got_grad = [False] * len(self._params)  # per parameter: accumulated since the last synchronisation
         self._next_unit = 0
         self._zeros: dict[tuple[int, int], torch.Tensor] = {}  # (unit, index): sent for a gradient this rank lacks
+        self._owners: list[list[int]] | None = None  # per unit, each gradient's owner (reduce_to_owners)
+        self._owner_ranks: list[list[int]] = []  # the same owners as ranks of the gradient group
         flat_index = 0
         for u, unit in enumerate(units):
             for param in unit:
                 hook = partial(self._on_grad_accumulated, u, flat_index)
                 self._add_hook(param.register_post_accumulate_grad_hook(hook))
                 flat_index += 1
+
+    def reduce_to_owners(self, owner: Callable[[nn.Parameter], int]) -> None:
+        """From the next synchronisation on, reduce each gradient to its mean on the rank ``owner(param)`` names
+        (a ZeRO-1 optimizer's owner of that parameter) and drop it on the other ranks, instead of averaging it
+        on every rank: half the bytes of an all-reduce cross the link, and each rank keeps only the gradients
+        it steps. Clipping must then combine the ranks' norms: ``clip_grad_norm_`` does."""
+        group = self._averager.group
+        self._owners = [[owner(p) for p in unit] for unit in self._units]
+        self._owner_ranks = [[dist.get_group_rank(group, rank) for rank in unit] for unit in self._owners]
 
     @property
     def units(self) -> list[list[nn.Parameter]]:
@@ -64,6 +76,8 @@ class OverlappedDDP(DataParallelModule):
         """Start the averaging all-reduce of a unit's gradients, in place: autograd's own tensors, no copies
         (a parameter without one on this rank sends the zeros ``_prepare_late`` made)."""
         grads = [p.grad if p.grad is not None else self._zeros[(unit, i)] for i, p in enumerate(self._units[unit])]
+        if self._owners is not None:
+            return self._averager.start_to_owners(grads, self._owner_ranks[unit])
         return self._averager.start(grads)
 
     def _prepare_late(self, unit: int) -> None:
@@ -127,10 +141,33 @@ class OverlappedDDP(DataParallelModule):
             self._settle_presence(self._presence.wait())
         for unit, work in enumerate(self._works):
             work.wait()
+            if self._owners is not None:
+                self._drop_unowned(unit)
             yield unit
         if holds_every_gradient:
             self._presence.wait()
         self._reset()
+
+    def _drop_unowned(self, unit: int) -> None:
+        for param, owner in zip(self._units[unit], self._owners[unit]):
+            if owner != self.rank:
+                param.grad = None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the synchronised gradients to a global 2-norm of at most ``max_norm``; the norm before clipping.
+        After ``reduce_to_owners`` each rank holds a shard of them: the shards' squared norms are summed over
+        ranks (a collective)."""
+        if self._owners is None:
+            return torch.nn.utils.clip_grad_norm_(self._params, max_norm)
+        held = [p for p in self._params if p.grad is not None]
+        device = self._params[0].device
+        local = torch.nn.utils.get_total_norm([p.grad for p in held]) if held else torch.zeros((), device=device)
+        squared = local.float().square()
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.process_group)
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(held, max_norm, total)  # scales each parameter's .grad
+        return total
 
     def _settle_presence(self, anywhere: list[bool]) -> None:
         present = iter(anywhere)

@@ -162,13 +162,16 @@ def make_strategy(name: str):
     """A registered name, ``bucketed_ddp+bf16`` (bucketed_ddp sending its gradients in bf16),
     ``bucketed_ddp+no_thread`` (launching its all-reduces from the gradient hooks themselves) or
     ``zero1+stages1`` (zero1 stepping its whole shard, then exchanging, on the default group), or
-    ``bucketed_ddp+compiled`` (bucketed_ddp training a TinyLM with a compiled layer)."""
+    ``bucketed_ddp+compiled`` (bucketed_ddp training a TinyLM with a compiled layer), or ``zero1+owner`` (zero1
+    reducing each gradient to the rank that steps it)."""
     if name == "bucketed_ddp+bf16":
         return BucketedDDPStrategy(grad_comm_dtype="bf16")
     if name == "zero1+stages1":
         return Zero1Strategy(exchange_stages=1, comm_high_priority=False)
     if name == "bucketed_ddp+compiled":
         return "bucketed_ddp"
+    if name == "zero1+owner":
+        return Zero1Strategy(grad_reduce="owner")
     if name == "bucketed_ddp+no_thread":
         return BucketedDDPStrategy(launch_thread=False)
     return name
@@ -193,6 +196,14 @@ def make_trainer(strategy, devices: int, out_dir: str, tag: str, accelerator: st
         use_distributed_sampler=False,
         **kwargs,
     )
+
+
+def single_process_reference(out_dir, clip: float = CLIP) -> dict:
+    """What the two-process runs are compared with: one process, the whole global batch per micro-batch, the
+    default (non-distributed) strategy; its record."""
+    trainer = make_trainer("auto", 1, str(out_dir), "reference", clip=clip, enable_checkpointing=False)
+    trainer.fit(TinyLM(), datamodule=TinyData())
+    return torch.load(Path(out_dir) / "reference_rank0.pt")
 
 
 def join_as_launched_process(rank: int, world_size: int, port: int) -> None:

@@ -14,8 +14,8 @@ import torch.nn as nn
 
 import strategies  # noqa: F401  (registers the strategy names)
 from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB, EAGER_BUCKET_MB, ONE_BUCKET
-from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer,
-                              run_cpu_strategies, zero1_epoch0_checkpoint)
+from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer, run_cpu_strategies,
+                              single_process_reference, zero1_epoch0_checkpoint)
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "bucketed_ddp+no_thread"]
 WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "PerParameterDDP", "bucketed_ddp": "BucketedDDP",
@@ -33,10 +33,7 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(out_dir) -> dict:
-    """Single process, the whole global batch per micro-batch; the default (non-distributed) strategy."""
-    trainer = make_trainer("auto", 1, str(out_dir), "reference", enable_checkpointing=False)
-    trainer.fit(TinyLM(), datamodule=TinyData())
-    return torch.load(out_dir / "reference_rank0.pt")
+    return single_process_reference(out_dir)
 
 
 @pytest.fixture(scope="module")

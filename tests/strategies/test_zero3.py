@@ -11,7 +11,7 @@ import torch
 import strategies
 from strategies.zero3 import resolve_compute_dtype
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, epoch0_checkpoint, make_trainer,
-                              run_cpu_strategies)
+                              run_cpu_strategies, single_process_reference)
 
 # Below every gradient norm of these runs (0.86-1.18), so every step clips: by the norm over all ranks' shards,
 # or the weights would differ from one process's (the other strategies' tests clip at 5.0, never engaging).
@@ -29,10 +29,7 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(out_dir) -> dict:
-    """Single process, the whole global batch per micro-batch; the default (non-distributed) strategy."""
-    trainer = make_trainer("auto", 1, str(out_dir), "reference", clip=CLIP, enable_checkpointing=False)
-    trainer.fit(TinyLM(), datamodule=TinyData())
-    return torch.load(out_dir / "reference_rank0.pt")
+    return single_process_reference(out_dir, CLIP)
 
 
 @pytest.fixture(scope="module")

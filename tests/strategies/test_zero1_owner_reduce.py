@@ -1,0 +1,73 @@
+"""zero1 with ``grad_reduce: owner`` on two CPU processes (gloo) against single-process training on the same global
+batch: each gradient reduced only to the rank that steps it, clipping by the norm over both ranks' shards."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import strategies
+from strategy_workers import run_cpu_strategies, single_process_reference
+
+# Below every gradient norm of these runs (0.86-1.18), so every step clips: by the norm over both ranks' gradients,
+# or the weights would differ from one process's.
+CLIP = 0.3
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero1_owner")
+
+
+@pytest.fixture(scope="module")
+def reference(out_dir) -> dict:
+    return single_process_reference(out_dir, CLIP)
+
+
+@pytest.fixture(scope="module")
+def ranks(out_dir, spawn_two_ranks) -> list[dict]:
+    spawn_two_ranks(run_cpu_strategies, out_dir, ["zero1+owner"], CLIP)
+    return [torch.load(out_dir / f"zero1+owner_rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.slow
+def test_trains_like_one_process_with_every_step_clipped(ranks, reference):
+    assert min(reference["grad_norms"]) > CLIP, "every step clips"
+    for result in ranks:
+        assert result["wrapper"] == "BucketedDDP"
+        for name, expected in reference["final"].items():
+            torch.testing.assert_close(result["final"][name], expected, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+        assert result["lrs"] == pytest.approx(reference["lrs"])
+        assert result["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_each_rank_holds_its_shard_of_the_averaged_gradients(ranks, reference):
+    """Before the step each rank's gradients are the mean over ranks of the parameters it owns, no others: the
+    two ranks' norms combine into one process's norm, and neither alone reaches it."""
+    for step, expected in enumerate(reference["grad_norms"]):
+        local = [result["grad_norms"][step] for result in ranks]
+        assert math.hypot(*local) == pytest.approx(expected, rel=1e-4)
+        assert max(local) < expected * (1 - 1e-3)
+
+
+@pytest.mark.slow
+def test_teardown_removes_hooks_and_unwraps(ranks):
+    for result in ranks:
+        assert result["unwrapped"] and result["hooks_left"] == 0 and result["launch_threads_alive"] == 0
+
+
+def test_grad_reduce_takes_all_reduce_or_owner():
+    with pytest.raises(ValueError, match="init_args.grad_reduce"):
+        strategies.Zero1Strategy(grad_reduce="scatter")
+
+
+def test_owner_reduce_refuses_a_grad_scaler():
+    strategy = strategies.Zero1Strategy(grad_reduce="owner")
+    strategy.precision_plugin = SimpleNamespace(scaler=object())  # what 16-mixed gives on a GPU
+    with pytest.raises(ValueError, match="16-mixed.*init_args.grad_reduce"):
+        strategy.setup(trainer=None)
