@@ -6,8 +6,9 @@
 #   scaling   xl compiled at 1024 x 8 per GPU through train.py: one GPU, bucketed_ddp at its default (one bucket after
 #             backward for a compiled model) with fp32 and with bf16 gradients on the wire (with no overlap the
 #             all-reduce's length is exposed, so half its bytes should show), zero1 reducing each gradient to its
-#             owner and all-reducing, bucketed_ddp at 25 MB; none measured yet (benchmarks.scaling, one round;
-#             results are written after every visit)
+#             owner and all-reducing, bucketed_ddp with the whole model compiled (with no overlap, compiling per
+#             block buys nothing); none measured yet (benchmarks.scaling, one round; results are written after
+#             every visit)
 #   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB) and at 25 MB, zero3, fsdp2
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
@@ -44,7 +45,7 @@ for stage in "${STAGES[@]}"; do
         ;;
     scaling)
         scaling scaling 1024x8:compiled single bucketed_ddp bucketed_ddp+grad_comm_dtype=bf16 zero1+grad_reduce=owner \
-            zero1 bucketed_ddp:25
+            zero1 bucketed_ddp+--model.compile=model
         ;;
     eager)
         scaling eager 512x4:eager single bucketed_ddp bucketed_ddp:25 zero3 fsdp2
