@@ -10,6 +10,8 @@ logging are Lightning's own. What changes is the model wrapper and where gradien
   accumulation communicate nothing;
 - ``post_backward`` calls ``finish_gradient_synchronization()`` after a syncing backward, before the
   precision plugin's unscaling, clipping and ``on_before_optimizer_step``, which thus see averaged gradients;
+- ``setup`` routes ``gradient_clip_val`` through the container's ``clip_grad_norm_`` where it has one (the norm
+  over every rank's gradients, for containers that shard them);
 - ``teardown`` removes the container's gradient hooks and unwraps the module.
 
 Every strategy takes communication options (NCCL only):
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -101,6 +104,15 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
         if own_group and self._grad_group is None:  # None unless the backend is NCCL
             self._grad_group = gradient_process_group(self._comm_high_priority, self._comm_max_ctas)
         return self.wrap(model, process_group=self._grad_group, grad_comm_dtype=self._grad_comm_dtype)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        clip = getattr(self.model, "clip_grad_norm_", None)
+        if clip is not None:
+            # Precision.clip_gradients (gradient_clip_val) clips the gradients this rank holds by their own norm;
+            # a container that shards them knows the norm over every rank.
+            self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip(clip_val)
 
     @contextmanager
     @override

@@ -58,15 +58,11 @@ class Zero1Strategy(BucketedDDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        owner = self._grad_reduce == "owner"
-        if owner and getattr(self.precision_plugin, "scaler", None) is not None:
+        if self._grad_reduce == "owner" and getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError("grad_reduce 'owner' does not run under 16-mixed: each rank would find overflows in "
                              "its own gradients only; use bf16-mixed or grad_reduce 'all_reduce' "
                              "(strategy init_args.grad_reduce)")
         super().setup(trainer)
-        if owner and isinstance(self.model, DataParallelModule):
-            # Precision.clip_gradients (gradient_clip_val) would take each rank's own gradients' norm.
-            self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.model.clip_grad_norm_(clip_val)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

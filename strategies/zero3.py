@@ -78,9 +78,7 @@ class Zero3Strategy(ContainerDDPStrategy):
         super().setup(trainer)
         if self._sharded is None:  # not fitting: the module stays whole on every rank
             return
-        plugin = self.precision_plugin
-        # Precision.clip_gradients (gradient_clip_val) would take each rank's own shards' norm.
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.model.clip_grad_norm_(clip_val)
+        plugin = self.precision_plugin  # its clip_grad_by_norm goes through the container (ContainerDDPStrategy)
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             # A plain GradScaler finds infs only in this rank's shards: ranks would disagree on skipping.
             plugin.scaler = _ScalarFlagShardedGradScaler(process_group=self._grad_group or dist.group.WORLD)

@@ -61,12 +61,16 @@ class GradientAverager:
         self._sum_many = _allreduce_options(dist.AllreduceCoalescedOptions, dist.ReduceOp.SUM)
         self._reduce: dict[tuple[int, dist.ReduceOp], dist.ReduceOptions] = {}
 
-    def start(self, tensors: list[torch.Tensor]) -> PendingAverage:
-        """Start averaging ``tensors`` (one device and dtype) in place over the group's ranks."""
+    def _for_the_wire(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+        """What is sent for ``tensors`` (cast to ``comm_dtype`` if it differs), and whether the backend averages."""
         sent = tensors
         if self.comm_dtype is not None and self.comm_dtype != tensors[0].dtype:
             sent = [t.to(self.comm_dtype) for t in tensors]
-        native_avg = self._nccl and tensors[0].is_cuda
+        return sent, self._nccl and tensors[0].is_cuda
+
+    def start(self, tensors: list[torch.Tensor]) -> PendingAverage:
+        """Start averaging ``tensors`` (one device and dtype) in place over the group's ranks."""
+        sent, native_avg = self._for_the_wire(tensors)
         if len(sent) == 1:
             work = self.group.allreduce(sent, self._avg if native_avg else self._sum)
         else:
@@ -76,10 +80,7 @@ class GradientAverager:
     def start_to_owners(self, tensors: list[torch.Tensor], owners: list[int]) -> PendingAverage:
         """Start reducing each of ``tensors`` to its mean over ranks on the rank ``owners`` names for it (ranks
         of the group), in place there; elsewhere a tensor only sends, and its value afterwards is undefined."""
-        sent = tensors
-        if self.comm_dtype is not None and self.comm_dtype != tensors[0].dtype:
-            sent = [t.to(self.comm_dtype) for t in tensors]
-        native_avg = self._nccl and tensors[0].is_cuda
+        sent, native_avg = self._for_the_wire(tensors)
         op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         works = [self.group.reduce([t], self._reduce_options(owner, op)) for t, owner in zip(sent, owners)]
         return PendingAverage(sent, _AllOf(works), None if native_avg else self.world_size, tensors)
