@@ -11,7 +11,9 @@ logging are Lightning's own. What changes is the model wrapper and where gradien
 - ``post_backward`` calls ``finish_gradient_synchronization()`` after a syncing backward, before the
   precision plugin's unscaling, clipping and ``on_before_optimizer_step``, which thus see averaged gradients;
 - ``setup`` routes ``gradient_clip_val`` through the container's ``clip_grad_norm_`` where it has one (the norm
-  over every rank's gradients, for containers that shard them);
+  over every rank's gradients, for containers that shard them), and has the ranks agree to stop for SIGTERM
+  over a gloo group of CPU tensors instead of Lightning's per-batch device broadcast, which waits for the GPU
+  (:mod:`strategies.sigterm`);
 - ``teardown`` removes the container's gradient hooks and unwraps the module.
 
 Every strategy takes communication options (NCCL only):
@@ -45,9 +47,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from typing_extensions import override
 
-from lm_systems.compat.lightning import ModelWrappingDDPStrategy
+from lm_systems.compat.lightning import ModelWrappingDDPStrategy, replace_sigterm_agreement
 from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP,
                                  default_bucket_size_mb, gradient_process_group)
+from strategies.sigterm import HostSigtermAgreement, host_process_group
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,6 +96,8 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
         self._comm_max_ctas = comm_max_ctas
         self._grad_comm_dtype = COMM_DTYPES.get(grad_comm_dtype) if grad_comm_dtype else None
         self._grad_group: Optional[dist.ProcessGroup] = None
+        self._host_group: Optional[dist.ProcessGroup] = None
+        self._group_timeout = timeout
 
     @abstractmethod
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
@@ -113,6 +118,10 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
             # Precision.clip_gradients (gradient_clip_val) clips the gradients this rank holds by their own norm;
             # a container that shards them knows the norm over every rank.
             self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip(clip_val)
+        if self.world_size > 1 and self._host_group is None:
+            self._host_group = host_process_group(self._group_timeout)
+            agreement = HostSigtermAgreement(self._host_group)
+            replace_sigterm_agreement(trainer, agreement.notify, agreement.agree)
 
     @contextmanager
     @override
@@ -136,6 +145,9 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
         if self._grad_group is not None:
             dist.destroy_process_group(self._grad_group)
             self._grad_group = None
+        if self._host_group is not None:
+            dist.destroy_process_group(self._host_group)
+            self._host_group = None
         super().teardown()
 
     @classmethod

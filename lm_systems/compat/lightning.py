@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typing
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.nn import Module
 from typing_extensions import override
 
@@ -65,6 +66,28 @@ def attached_trainer(module: LightningModule) -> Optional[Trainer]:
 def optimizer_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Move ``optimizer``'s state tensors to ``device``, as Lightning does after loading a checkpoint's state."""
     _optimizer_to_device(optimizer, device)
+
+
+def replace_sigterm_agreement(trainer: Trainer, notify: Callable[[int, Any], None], agree: Callable[[], bool]) -> None:
+    """Make ``notify`` and ``agree`` how the ranks of a run of more than one process stop for SIGTERM.
+
+    Lightning's SIGTERM handler (private ``_SignalConnector._sigterm_notifier_fn``) forwards the signal to the
+    processes its launcher started, broadcasts rank 0's flag on the default group and sets ``received_sigterm``,
+    on which the loops stop that rank at the end of its batch; the training epoch loop broadcasts rank 0's flag at
+    every batch and reads it on the host (private ``_broadcast_sigterm_tensor``). Here the handler only calls
+    ``notify(signum, frame)``, and before every training batch ``agree()`` says whether every rank stops now: if so,
+    ``received_sigterm`` is set and ``SIGTERMException`` raised, on every rank at once. Call it before ``fit``
+    registers its signal handlers (``Strategy.setup`` is). No public hook reaches either.
+    """
+    connector = trainer._signal_connector
+
+    def check() -> None:
+        if agree():
+            connector.received_sigterm = True
+            raise SIGTERMException()
+
+    connector._sigterm_notifier_fn = notify
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check
 
 
 # -- base classes for Lightning classes whose behaviour lives in private methods ----------------------------------------
@@ -169,4 +192,5 @@ class CountingThroughputMonitor(ThroughputMonitor):
         self._lengths[stage] += length
         self._samples[stage] += samples
         self._batches[stage] += 1
+
 

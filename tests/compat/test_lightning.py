@@ -6,15 +6,20 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import signal
 
 import lightning
 import lightning.pytorch as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, ThroughputMonitor
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from lm_systems.compat import lightning as compat
@@ -194,3 +199,33 @@ def test_the_throughput_base_counts_and_replaces_per_stage():
     assert monitor._throughputs[RunningStage.TRAINING] is replacement
     for counted in ("self._throughputs[stage]", "self._samples[stage] +=", "self._batches[stage] +="):
         uses(ThroughputMonitor, "_update", counted)
+
+
+def test_the_sigterm_agreement_replaces_the_handlers_and_the_loops_broadcasts():
+    private_method(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
+    called_in(_TrainingEpochLoop, "advance", "_broadcast_sigterm_tensor")
+    private_method(_SignalConnector, "_sigterm_notifier_fn")
+    uses(_SignalConnector, "register_signal_handlers", "self._sigterm_notifier_fn")
+    notified, agreed = [], [False]
+
+    class SignalsItself(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[SignalsItself()])
+    compat.replace_sigterm_agreement(trainer, lambda signum, frame: notified.append(signum), lambda: agreed[0])
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # this process survives a moved handler
+    try:
+        trainer.fit(Recorder())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    # One process: Lightning consults no agreement, and the notified flag is not Lightning's, so the fit ends.
+    assert notified == [signal.SIGTERM], broken("_SignalConnector._sigterm_notifier_fn")
+    assert trainer.global_step == 3 and not trainer.received_sigterm
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # what the loop calls per batch with several processes
+    agreed[0] = True
+    with pytest.raises(SIGTERMException):
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert trainer.received_sigterm

@@ -1,0 +1,40 @@
+"""Ranks agree to stop for SIGTERM over the host, not the device.
+
+Lightning's training loop, at every batch of a run of more than one process, broadcasts rank 0's "received
+SIGTERM" flag in a device tensor on the default (NCCL) group and reads it with ``.item()``: the host waits for
+every kernel queued so far, so each batch's launches start only once the GPU has drained the last one's. Here the
+flags are combined over a gloo group of CPU tensors, which never waits on the device, and every rank stops at the
+same batch: the first after any of them received SIGTERM (Lightning's handler also broadcasts on the default group,
+and stops the signalled rank at once; both are left out, see ``lm_systems.compat.lightning.replace_sigterm_agreement``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class HostSigtermAgreement:
+    """``notify`` is the SIGTERM handler; ``agree``, called by every rank before every training batch, says whether
+    any rank has received SIGTERM (a MAX all-reduce of the flags over ``group``, which moves CPU tensors)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+        self._received = False
+        self._flag = torch.zeros(1, dtype=torch.int32)
+
+    def notify(self, signum: int, frame: Any) -> None:
+        self._received = True
+
+    def agree(self) -> bool:
+        self._flag.fill_(int(self._received))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(self._flag.item())
+
+
+def host_process_group(timeout: Optional[timedelta]) -> dist.ProcessGroup:
+    """A gloo group of every rank, for :class:`HostSigtermAgreement` (a collective: every rank calls it)."""
+    return dist.new_group(backend="gloo", timeout=timeout)
