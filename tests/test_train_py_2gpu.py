@@ -5,8 +5,9 @@ Each run must exit 0 and lower the training loss. The replicated strategies' ran
 weights. Every strategy must end where torch DDP (Lightning's ``ddp``) ends on the same windows (the
 training windows are a function of seed, world size, rank and batch index, so two-process runs of every
 strategy see the same batches): closer to it than a tenth of the distance DDP's weights travelled, which a
-strategy that averaged nothing, or clipped each rank's own norm, would miss. And a two-GPU run resumed from
-a step checkpoint ends where the uninterrupted run ends.
+strategy that averaged nothing, or clipped each rank's own norm, would miss. A two-GPU run resumed from
+a step checkpoint ends where the uninterrupted run ends, and SIGTERM stops both ranks (the strategies agree on it
+over gloo beside NCCL).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sigterm_run import sigterm_after_first_checkpoint
 from test_train_py_gpu import assert_trained, logged, version_dir
 
 STEPS = 12
@@ -110,3 +112,9 @@ def test_resume_on_two_gpus_ends_where_the_uninterrupted_run_ends(strategy, tmp_
                       weights_only=False)["global_step"] == STEPS
     expected, got = checkpoint_weights(whole), checkpoint_weights(resumed)
     assert distance(got, expected) <= 1e-3 * distance(expected, checkpoint_weights(first, middle.name))
+
+
+@pytest.mark.parametrize("strategy", ["bucketed_ddp", "zero3"])
+def test_sigterm_stops_both_ranks_and_exits_143(strategy, train_py, tmp_path, cache_dir):
+    sigterm_after_first_checkpoint(train_py, tmp_path, "--devices", "2", "--strategy", strategy,
+                                   "--trainer.enable_progress_bar", "false", "--data.cache_dir", str(cache_dir))

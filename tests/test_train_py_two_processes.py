@@ -6,20 +6,19 @@ step and validation on:
   weights and optimizer state of the run's last checkpoint, within float32 reduction-order bounds;
 - for bucketed_ddp, zero1 and zero3, a run stopped at a checkpoint and resumed from it ends bit for bit where the
   uninterrupted run ended: weights, optimizer state, schedule and data position, on the same batches, with the same
-  validation losses.
+  validation losses;
+- SIGTERM to the run stops both processes, exit status 143.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from run_record import load_records, replay
+from sigterm_run import sigterm_after_first_checkpoint
 
 STEPS, STOP_AT, ACCUMULATE = 6, 3, 2
 # Below every step's gradient norm in these runs (0.6-0.7 measured), so every step clips: a strategy whose
@@ -104,41 +103,4 @@ def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(strategy, unin
 
 
 def test_sigterm_to_the_launched_run_stops_both_ranks_and_exits_143(train_py, tmp_path):
-    """What a scheduler or ``kill`` does to the command the user typed (rank 0; Lightning started rank 1 from it):
-    both ranks stop and the run exits 143, leaving no rank behind waiting in a collective."""
-    with train_py.start(*train_py.tiny, *RUN, "--strategy", "bucketed_ddp", "--max_steps", "100000",
-                        "--checkpointing_interval", "1", cwd=tmp_path) as run:
-        deadline = time.monotonic() + 240
-        while not list(tmp_path.rglob("step=1.ckpt")):
-            assert run.poll() is None and time.monotonic() < deadline, "no step=1.ckpt"
-            time.sleep(0.2)
-        ranks = children_of(run.pid)
-        assert len(ranks) == 1, ranks
-        run.send_signal(signal.SIGTERM)
-        _, err = run.communicate(timeout=120)
-        assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
-        deadline = time.monotonic() + 60
-        while any(alive(pid) for pid in ranks):
-            assert time.monotonic() < deadline, f"rank 1 (pid {ranks}) still running after rank 0 exited"
-            time.sleep(0.2)
-    (last,) = tmp_path.rglob("last.ckpt")
-    assert 1 <= torch.load(last, weights_only=False)["global_step"] < 100000
-
-
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-            if int(fields[1]) == pid:
-                children.append(int(stat.parent.name))
-    return children
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is running (a zombie, exited but not yet reaped, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    sigterm_after_first_checkpoint(train_py, tmp_path, *train_py.tiny, *RUN, "--strategy", "bucketed_ddp")
