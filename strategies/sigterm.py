@@ -6,6 +6,7 @@ every kernel queued so far, so each batch's launches start only once the GPU has
 flags are combined over a gloo group of CPU tensors, which never waits on the device, and every rank stops at the
 same batch: the first after any of them received SIGTERM (Lightning's handler also broadcasts on the default group,
 and stops the signalled rank at once; both are left out, see ``lm_systems.compat.lightning.replace_sigterm_agreement``).
+A SIGTERM that arrives during validation takes effect at the next training batch.
 """
 
 from __future__ import annotations
