@@ -47,10 +47,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from typing_extensions import override
 
-from lm_systems.compat.lightning import ModelWrappingDDPStrategy, replace_sigterm_agreement
+from lm_systems.compat.lightning import ModelWrappingDDPStrategy
 from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP,
                                  default_bucket_size_mb, gradient_process_group)
-from strategies.sigterm import HostSigtermAgreement, host_process_group
+from strategies.sigterm import HostSigtermAgreement
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,8 +96,8 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
         self._comm_max_ctas = comm_max_ctas
         self._grad_comm_dtype = COMM_DTYPES.get(grad_comm_dtype) if grad_comm_dtype else None
         self._grad_group: Optional[dist.ProcessGroup] = None
-        self._host_group: Optional[dist.ProcessGroup] = None
         self._group_timeout = timeout
+        self._sigterm: Optional[HostSigtermAgreement] = None
 
     @abstractmethod
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
@@ -118,10 +118,8 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
             # Precision.clip_gradients (gradient_clip_val) clips the gradients this rank holds by their own norm;
             # a container that shards them knows the norm over every rank.
             self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip(clip_val)
-        if self.world_size > 1 and self._host_group is None:
-            self._host_group = host_process_group(self._group_timeout)
-            agreement = HostSigtermAgreement(self._host_group)
-            replace_sigterm_agreement(trainer, agreement.notify, agreement.agree)
+        if self.world_size > 1 and self._sigterm is None:
+            self._sigterm = HostSigtermAgreement.install(trainer, self._group_timeout)
 
     @contextmanager
     @override
@@ -145,9 +143,9 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
         if self._grad_group is not None:
             dist.destroy_process_group(self._grad_group)
             self._grad_group = None
-        if self._host_group is not None:
-            dist.destroy_process_group(self._host_group)
-            self._host_group = None
+        if self._sigterm is not None:
+            self._sigterm.close()
+            self._sigterm = None
         super().teardown()
 
     @classmethod

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Optional
 
 import lightning.pytorch as L
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from typing_extensions import override
 
 from lm_systems.compat.lightning import DataParallelMeshStrategy
+from strategies.sigterm import HostSigtermAgreement
 
 BF16_PRECISIONS = ("bf16-mixed", "bf16-true")
 
@@ -25,14 +28,19 @@ class FSDP2Strategy(DataParallelMeshStrategy):
     optimizer state stay sharded. The model is built on the device, as under ``ddp``, so both start from the
     same weights. Checkpoints hold the full state dict, gathered to rank 0, as the other strategies' do.
     ``reshard_after_forward`` frees each block's gathered weights after its forward (and
-    gathers them again for backward), as zero3 does.
+    gathers them again for backward), as zero3 does. The ranks agree on SIGTERM over the host, as under the other
+    strategies here (``strategies.sigterm``), so the comparison with zero3 leaves Lightning's per-batch sync out
+    of both.
     """
 
     strategy_name = "fsdp2"
 
-    def __init__(self, reshard_after_forward: bool = True, **kwargs: Any) -> None:
-        super().__init__(tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
+    def __init__(self, reshard_after_forward: bool = True, timeout: Optional[timedelta] = default_pg_timeout,
+                 **kwargs: Any) -> None:
+        super().__init__(tensor_parallel_size=1, save_distributed_checkpoint=False, timeout=timeout, **kwargs)
         self._reshard_after_forward = reshard_after_forward
+        self._group_timeout = timeout
+        self._sigterm: Optional[HostSigtermAgreement] = None
 
     @contextmanager
     @override
@@ -46,6 +54,15 @@ class FSDP2Strategy(DataParallelMeshStrategy):
     def setup(self, trainer: L.Trainer) -> None:
         self._shard(self.lightning_module.model, str(trainer.precision))
         super().setup(trainer)
+        if self.world_size > 1 and self._sigterm is None:  # as the other strategies: see strategies/sigterm.py
+            self._sigterm = HostSigtermAgreement.install(trainer, self._group_timeout)
+
+    @override
+    def teardown(self) -> None:
+        if self._sigterm is not None:
+            self._sigterm.close()
+            self._sigterm = None
+        super().teardown()
 
     def _shard(self, model: torch.nn.Module, precision: str) -> None:
         blocks = getattr(model, "blocks", None)

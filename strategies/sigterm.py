@@ -16,16 +16,27 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Trainer
+
+from lm_systems.compat.lightning import replace_sigterm_agreement
 
 
 class HostSigtermAgreement:
     """``notify`` is the SIGTERM handler; ``agree``, called by every rank before every training batch, says whether
-    any rank has received SIGTERM (a MAX all-reduce of the flags over ``group``, which moves CPU tensors)."""
+    any rank has received SIGTERM (a MAX all-reduce of the flags over a gloo group of every rank)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self._group = group
         self._received = False
         self._flag = torch.zeros(1, dtype=torch.int32)
+
+    @classmethod
+    def install(cls, trainer: Trainer, timeout: Optional[timedelta]) -> HostSigtermAgreement:
+        """Make the agreement ``trainer``'s, on a new gloo group (a collective: every rank calls it, from
+        ``Strategy.setup``, before ``fit`` registers its signal handlers)."""
+        agreement = cls(dist.new_group(backend="gloo", timeout=timeout))
+        replace_sigterm_agreement(trainer, agreement.notify, agreement.agree)
+        return agreement
 
     def notify(self, signum: int, frame: Any) -> None:
         self._received = True
@@ -35,7 +46,6 @@ class HostSigtermAgreement:
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(self._flag.item())
 
-
-def host_process_group(timeout: Optional[timedelta]) -> dist.ProcessGroup:
-    """A gloo group of every rank, for :class:`HostSigtermAgreement` (a collective: every rank calls it)."""
-    return dist.new_group(backend="gloo", timeout=timeout)
+    def close(self) -> None:
+        """Destroy the gloo group (from ``Strategy.teardown``)."""
+        dist.destroy_process_group(self._group)

@@ -102,5 +102,6 @@ def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(strategy, unin
 
 
 
-def test_sigterm_to_the_launched_run_stops_both_ranks_and_exits_143(train_py, tmp_path):
-    sigterm_after_first_checkpoint(train_py, tmp_path, *train_py.tiny, *RUN, "--strategy", "bucketed_ddp")
+@pytest.mark.parametrize("strategy", ["bucketed_ddp", "fsdp2"])
+def test_sigterm_to_the_launched_run_stops_both_ranks_and_exits_143(strategy, train_py, tmp_path):
+    sigterm_after_first_checkpoint(train_py, tmp_path, *train_py.tiny, *RUN, "--strategy", strategy)
