@@ -9,7 +9,9 @@
 #             1.4-3.1%), and with a few large buckets (2, 4, 8: part of the ~20 ms exposed all-reduce under the end
 #             of backward, not yet measured compiled), and torch DDP (benchmarks.scaling, one round; results are
 #             written after every visit)
-#   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), zero3, fsdp2
+#   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2 (on a
+#             host-bound step the per-batch sync also kept the host from issuing the next forward while the GPU ran
+#             the optimizer: the agreement over gloo may matter more here)
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
 #   .ci/gpu_data_parallel.sh scaling
@@ -47,7 +49,7 @@ for stage in "${STAGES[@]}"; do
         scaling scaling 1024x8:compiled single bucketed_ddp bucketed_ddp:4100 bucketed_ddp:2100 bucketed_ddp:1000 ddp
         ;;
     eager)
-        scaling eager 512x4:eager single bucketed_ddp zero3 fsdp2
+        scaling eager 512x4:eager single bucketed_ddp ddp zero3 fsdp2
         ;;
     *)
         echo "unknown stage $stage (tests, resumes, scaling, eager)"; exit 2
