@@ -11,9 +11,9 @@ logging are Lightning's own. What changes is the model wrapper and where gradien
 - ``post_backward`` calls ``finish_gradient_synchronization()`` after a syncing backward, before the
   precision plugin's unscaling, clipping and ``on_before_optimizer_step``, which thus see averaged gradients;
 - ``setup`` routes ``gradient_clip_val`` through the container's ``clip_grad_norm_`` where it has one (the norm
-  over every rank's gradients, for containers that shard them), and has the ranks agree to stop for SIGTERM
-  over a gloo group of CPU tensors instead of Lightning's per-batch device broadcast, which waits for the GPU
-  (:mod:`strategies.sigterm`);
+  over every rank's gradients, for containers that shard them); the ranks agree to stop for SIGTERM over a gloo
+  group of CPU tensors instead of Lightning's per-batch device broadcast, which waits for the GPU
+  (:class:`strategies.sigterm.HostSigtermStrategy`);
 - ``teardown`` removes the container's gradient hooks and unwraps the module.
 
 Every strategy takes communication options (NCCL only):
@@ -50,13 +50,13 @@ from typing_extensions import override
 from lm_systems.compat.lightning import ModelWrappingDDPStrategy
 from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP,
                                  default_bucket_size_mb, gradient_process_group)
-from strategies.sigterm import HostSigtermAgreement
+from strategies.sigterm import HostSigtermStrategy
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ContainerDDPStrategy(ModelWrappingDDPStrategy):
+class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
     """Base: a DDPStrategy whose model wrapper is a container from ``lm_systems.parallel``."""
 
     strategy_name: ClassVar[str]
@@ -96,8 +96,6 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
         self._comm_max_ctas = comm_max_ctas
         self._grad_comm_dtype = COMM_DTYPES.get(grad_comm_dtype) if grad_comm_dtype else None
         self._grad_group: Optional[dist.ProcessGroup] = None
-        self._group_timeout = timeout
-        self._sigterm: Optional[HostSigtermAgreement] = None
 
     @abstractmethod
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
@@ -118,8 +116,6 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
             # Precision.clip_gradients (gradient_clip_val) clips the gradients this rank holds by their own norm;
             # a container that shards them knows the norm over every rank.
             self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip(clip_val)
-        if self.world_size > 1 and self._sigterm is None:
-            self._sigterm = HostSigtermAgreement.install(trainer, self._group_timeout)
 
     @contextmanager
     @override
@@ -143,9 +139,6 @@ class ContainerDDPStrategy(ModelWrappingDDPStrategy):
         if self._grad_group is not None:
             dist.destroy_process_group(self._grad_group)
             self._grad_group = None
-        if self._sigterm is not None:
-            self._sigterm.close()
-            self._sigterm = None
         super().teardown()
 
     @classmethod

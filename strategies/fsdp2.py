@@ -4,22 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, Optional
 
 import lightning.pytorch as L
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from typing_extensions import override
 
 from lm_systems.compat.lightning import DataParallelMeshStrategy
-from strategies.sigterm import HostSigtermAgreement
+from strategies.sigterm import HostSigtermStrategy
 
 BF16_PRECISIONS = ("bf16-mixed", "bf16-true")
 
 
-class FSDP2Strategy(DataParallelMeshStrategy):
+class FSDP2Strategy(HostSigtermStrategy, DataParallelMeshStrategy):
     """Lightning's ModelParallelStrategy (data parallel only) with FSDP2 applied by the strategy itself:
     ``fully_shard`` on each Transformer block, then on the whole model, so a LitLM trains under it unchanged.
 
@@ -35,12 +33,9 @@ class FSDP2Strategy(DataParallelMeshStrategy):
 
     strategy_name = "fsdp2"
 
-    def __init__(self, reshard_after_forward: bool = True, timeout: Optional[timedelta] = default_pg_timeout,
-                 **kwargs: Any) -> None:
-        super().__init__(tensor_parallel_size=1, save_distributed_checkpoint=False, timeout=timeout, **kwargs)
+    def __init__(self, reshard_after_forward: bool = True, **kwargs: Any) -> None:
+        super().__init__(tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
         self._reshard_after_forward = reshard_after_forward
-        self._group_timeout = timeout
-        self._sigterm: Optional[HostSigtermAgreement] = None
 
     @contextmanager
     @override
@@ -54,15 +49,6 @@ class FSDP2Strategy(DataParallelMeshStrategy):
     def setup(self, trainer: L.Trainer) -> None:
         self._shard(self.lightning_module.model, str(trainer.precision))
         super().setup(trainer)
-        if self.world_size > 1 and self._sigterm is None:  # as the other strategies: see strategies/sigterm.py
-            self._sigterm = HostSigtermAgreement.install(trainer, self._group_timeout)
-
-    @override
-    def teardown(self) -> None:
-        if self._sigterm is not None:
-            self._sigterm.close()
-            self._sigterm = None
-        super().teardown()
 
     def _shard(self, model: torch.nn.Module, precision: str) -> None:
         blocks = getattr(model, "blocks", None)

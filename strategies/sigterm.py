@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Trainer
 
 from lm_systems.compat.lightning import replace_sigterm_agreement
@@ -49,3 +50,25 @@ class HostSigtermAgreement:
     def close(self) -> None:
         """Destroy the gloo group (from ``Strategy.teardown``)."""
         dist.destroy_process_group(self._group)
+
+
+class HostSigtermStrategy:
+    """Mixin, placed before a Lightning parallel strategy's class: its ranks agree on SIGTERM through a
+    :class:`HostSigtermAgreement`, installed by ``setup`` (with more than one process) and closed by ``teardown``;
+    ``timeout`` (the strategy's own) bounds the agreement's collectives too."""
+
+    def __init__(self, timeout: Optional[timedelta] = default_pg_timeout, **kwargs: Any) -> None:
+        super().__init__(timeout=timeout, **kwargs)
+        self._sigterm_timeout = timeout
+        self._sigterm: Optional[HostSigtermAgreement] = None
+
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if self.world_size > 1 and self._sigterm is None:
+            self._sigterm = HostSigtermAgreement.install(trainer, self._sigterm_timeout)
+
+    def teardown(self) -> None:
+        if self._sigterm is not None:
+            self._sigterm.close()
+            self._sigterm = None
+        super().teardown()

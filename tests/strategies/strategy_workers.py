@@ -27,10 +27,18 @@ STEPS_PER_EPOCH, EPOCHS = 2, 2
 # instead of averaging), so clipping never engages on correct gradients and the final weights keep the
 # gradient's scale; gradients left scaled by a GradScaler (x65536) would be clipped and fail the comparison.
 CLIP = 5.0
+# Below every gradient norm of these runs, so every step clips: the tests of containers that shard gradients
+# (zero3, zero1 reducing to owners) clip at it, and end where one process does only if the norm is over all ranks'.
+ENGAGED_CLIP = 0.3
 COMMUNICATING = [(dist, name) for name in ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")]
 COMMUNICATING.append((GradientAverager, "start"))  # the containers' gradient all-reduces bypass dist.all_reduce
 COMMUNICATING.append((sharded_unit, "_reduce_scatter_grads"))  # zero3's gradient reduce-scatters
 CHECKPOINTED = ("zero1", "zero3")  # keep their end-of-epoch checkpoints, then resume from epoch 0's
+
+
+def load_ranks(out_dir, tag: str, ranks: int = 2) -> list[dict]:
+    """What each rank's Recorder saved for the run ``tag``."""
+    return [torch.load(Path(out_dir) / f"{tag}_rank{r}.pt") for r in range(ranks)]
 
 
 def token_windows(seed: int, count: int) -> torch.Tensor:

@@ -14,16 +14,12 @@ import torch.nn as nn
 
 import strategies  # noqa: F401  (registers the strategy names)
 from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB, EAGER_BUCKET_MB, ONE_BUCKET
-from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, make_trainer, run_cpu_strategies,
-                              single_process_reference, zero1_epoch0_checkpoint)
+from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, load_ranks, make_trainer,
+                              run_cpu_strategies, single_process_reference, zero1_epoch0_checkpoint)
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "bucketed_ddp+no_thread"]
 WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "PerParameterDDP", "bucketed_ddp": "BucketedDDP",
             "zero1": "BucketedDDP", "bucketed_ddp+no_thread": "BucketedDDP"}
-
-
-def load_ranks(out, tag: str) -> list[dict]:
-    return [torch.load(out / f"{tag}_rank{r}.pt") for r in range(2)]
 
 
 @pytest.fixture(scope="module")

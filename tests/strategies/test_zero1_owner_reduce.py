@@ -10,11 +10,9 @@ import pytest
 import torch
 
 import strategies
-from strategy_workers import run_cpu_strategies, single_process_reference
+from strategy_workers import ENGAGED_CLIP, load_ranks, run_cpu_strategies, single_process_reference
 
-# Below every gradient norm of these runs (0.86-1.18), so every step clips: by the norm over both ranks' gradients,
-# or the weights would differ from one process's.
-CLIP = 0.3
+CLIP = ENGAGED_CLIP  # every step clips, by the norm over both ranks' gradients
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +28,7 @@ def reference(out_dir) -> dict:
 @pytest.fixture(scope="module")
 def ranks(out_dir, spawn_two_ranks) -> list[dict]:
     spawn_two_ranks(run_cpu_strategies, out_dir, ["zero1+owner"], CLIP)
-    return [torch.load(out_dir / f"zero1+owner_rank{r}.pt") for r in range(2)]
+    return load_ranks(out_dir, "zero1+owner")
 
 
 @pytest.mark.slow

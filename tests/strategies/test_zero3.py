@@ -10,16 +10,10 @@ import torch
 
 import strategies
 from strategies.zero3 import resolve_compute_dtype
-from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, epoch0_checkpoint, make_trainer,
-                              run_cpu_strategies, single_process_reference)
+from strategy_workers import (ACCUMULATE, ENGAGED_CLIP, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, epoch0_checkpoint,
+                              load_ranks, make_trainer, run_cpu_strategies, single_process_reference)
 
-# Below every gradient norm of these runs (0.86-1.18), so every step clips: by the norm over all ranks' shards,
-# or the weights would differ from one process's (the other strategies' tests clip at 5.0, never engaging).
-CLIP = 0.3
-
-
-def load_ranks(out, tag: str, ranks: int = 2) -> list[dict]:
-    return [torch.load(out / f"{tag}_rank{r}.pt") for r in range(ranks)]
+CLIP = ENGAGED_CLIP  # every step clips, by the norm over all ranks' shards (the other strategies' tests: never)
 
 
 @pytest.fixture(scope="module")
