@@ -20,7 +20,7 @@ def sigterm_after_first_checkpoint(train_py, run_dir: Path, *args: str) -> None:
         while not list(run_dir.rglob("step=1.ckpt")):
             assert run.poll() is None and time.monotonic() < deadline, "no step=1.ckpt"
             time.sleep(0.2)
-        ranks = children_of(run.pid)
+        ranks = [child for child in children_of(run.pid) if local_rank(child) == "1"]
         assert len(ranks) == 1, ranks
         run.send_signal(signal.SIGTERM)
         _, err = run.communicate(timeout=120)
@@ -42,6 +42,16 @@ def children_of(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 children.append(int(stat.parent.name))
     return children
+
+
+def local_rank(pid: int) -> str | None:
+    """The LOCAL_RANK in ``pid``'s environment: Lightning launches rank 1 with it; other children (the inductor's
+    compile workers on a many-core host) have none."""
+    with contextlib.suppress(OSError):
+        for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if entry.startswith(b"LOCAL_RANK="):
+                return entry.split(b"=", 1)[1].decode()
+    return None
 
 
 def alive(pid: int) -> bool:
