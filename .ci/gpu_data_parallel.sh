@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
 # Issue 30's data-parallel work on two CUDA GPUs of one host (torch 2.11; each stage fits one 10-minute call):
-#   tests     python train.py --devices 2: SIGTERM stops both ranks under bucketed_ddp and zero3 (the strategies agree
-#             on it over gloo beside NCCL since 9c49585; not yet run on GPUs), and zero3 against torch DDP in
-#             bf16-mixed (every strategy x precision passed on 2 x H100 by 2026-11-27)
+#   tests     python train.py --devices 2: SIGTERM stops both ranks under bucketed_ddp and zero3 (passed over NCCL on
+#             2 x H100, 2026-11-27 day), and zero3 against torch DDP in bf16-mixed
 #   resumes   the zero1 and zero3 two-GPU resumes (passed 2026-11-26)
-#   scaling   xl compiled at 1024 x 8 per GPU through train.py: one GPU, bucketed_ddp at its default (one bucket after
-#             backward) now without Lightning's per-batch host sync (the scratch patch that removed it measured
-#             1.4-3.1%), and with a few large buckets (2, 4, 8: part of the ~20 ms exposed all-reduce under the end
-#             of backward, not yet measured compiled), and torch DDP (benchmarks.scaling, one round; results are
-#             written after every visit)
-#   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2 (on a
-#             host-bound step the per-batch sync also kept the host from issuing the next forward while the GPU ran
-#             the optimizer: the agreement over gloo may matter more here)
+#   scaling   xl compiled at 1024 x 8 per GPU through train.py, two rounds: one GPU, bucketed_ddp at its default
+#             (1000 MB buckets since 2026-11-27: 93.1% against one bucket's 90.7%, one visit each on 2 x H200) and
+#             one bucket after backward (.inf), interleaved, to see whether the lead holds (results are written
+#             after every visit)
+#   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
 #   .ci/gpu_data_parallel.sh scaling
@@ -28,10 +24,10 @@ source .ci/gpu_stages.sh  # the wheels the GPU image lacks; run STAGE SECONDS CO
 python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.device_count(), \
 'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 
-scaling() {  # scaling NAME CONFIG SETUPS...
-    local name=$1 config=$2; shift 2
+scaling() {  # scaling NAME CONFIG ROUNDS SETUPS...
+    local name=$1 config=$2 rounds=$3; shift 3
     run "$name" 560 python -m benchmarks.scaling --devices 2 --size xl --configs "$config" --attention sdpa \
-        --setups "$@" --rounds 1 --warmup 8 --steps 5 --segments 2 --run-timeout 200 --out-dir "$OUT/$name"
+        --setups "$@" --rounds "$rounds" --warmup 8 --steps 5 --segments 2 --run-timeout 200 --out-dir "$OUT/$name"
 }
 
 for stage in "${STAGES[@]}"; do
@@ -46,10 +42,10 @@ for stage in "${STAGES[@]}"; do
             -k "resume and (zero1 or zero3)" --junitxml="$OUT/resumes_2gpu.xml"
         ;;
     scaling)
-        scaling scaling 1024x8:compiled single bucketed_ddp bucketed_ddp:4100 bucketed_ddp:2100 bucketed_ddp:1000 ddp
+        scaling scaling 1024x8:compiled 2 single bucketed_ddp bucketed_ddp:.inf
         ;;
     eager)
-        scaling eager 512x4:eager single bucketed_ddp ddp zero3 fsdp2
+        scaling eager 512x4:eager 1 single bucketed_ddp ddp zero3 fsdp2
         ;;
     *)
         echo "unknown stage $stage (tests, resumes, scaling, eager)"; exit 2

@@ -190,10 +190,9 @@ class OverlapDDPStrategy(LaunchThreadDDPStrategy):
 class BucketedDDPStrategy(LaunchThreadDDPStrategy):
     """Bucketed gradient all-reduce overlapped with backward; ``bucket_size_mb`` caps each bucket.
 
-    ``bucket_size_mb`` None (the default) picks by the model: on one host, a compiled model's gradients go in one
-    bucket, averaged once backward ends, and an eager model's in 1000 MB buckets; across hosts, 25 MB (see
+    ``bucket_size_mb`` None (the default) picks by the hosts: 1000 MB on one host, 25 MB across hosts (see
     ``lm_systems.parallel.default_bucket_size_mb``). ``.inf`` (YAML's infinity, on the command line too) asks
-    for one bucket whatever the model.
+    for one bucket, averaged once backward has ended.
     """
 
     strategy_name = "bucketed_ddp"
@@ -201,21 +200,22 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
 
     def __init__(self, bucket_size_mb: Optional[float] = None, **kwargs: Any) -> None:
         if bucket_size_mb is not None and not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be positive (or None to pick by the model), got {bucket_size_mb} "
+            raise ValueError(f"bucket_size_mb must be positive (or None to pick by the hosts), got {bucket_size_mb} "
                              "(strategy init_args.bucket_size_mb)")
         super().__init__(**kwargs)
         self._bucket_size_mb = bucket_size_mb
 
-    def bucket_size_mb_for(self, module: Module) -> float:
-        """The cap ``module``'s gradients are bucketed by: the one given, else the default for the model."""
-        return self._bucket_size_mb or default_bucket_size_mb(module, self.num_nodes)
+    @property
+    def bucket_size_mb(self) -> float:
+        """The cap the gradients are bucketed by: the one given, else the default for the number of hosts."""
+        return self._bucket_size_mb or default_bucket_size_mb(self.num_nodes)
 
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
-        cap = self.bucket_size_mb_for(module)
+        cap = self.bucket_size_mb
         wrapped = BucketedDDP(module, bucket_size_mb=cap, launch_thread=self._launch_thread, **comm)
         plan = ("in one bucket, once backward has ended" if math.isinf(cap)
                 else f"in {len(wrapped.buckets)} bucket(s) of at most {cap:g} MB, each launched once filled")
-        chosen = " (the default for this model; set bucket_size_mb to change)" if self._bucket_size_mb is None else ""
+        chosen = " (the default; set bucket_size_mb to change)" if self._bucket_size_mb is None else ""
         rank_zero_info(f"{self.strategy_name}: gradients averaged {plan}{chosen}")
         return wrapped

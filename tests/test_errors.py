@@ -43,7 +43,7 @@ def one_line_error(args: list[str], capsys, status: int = 2) -> str:
     assert len(errors) == 1 and errors[0] == err.strip().splitlines()[-1], err
     return errors[0]
 
-BAD_BUCKET = "error: bucket_size_mb must be positive (or None to pick by the model), got -1.0 (strategy init_args."
+BAD_BUCKET = "error: bucket_size_mb must be positive (or None to pick by the hosts), got -1.0 (strategy init_args."
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,10 @@ def set_module_parameter(module: torch.nn.Module, name: str, value: Optional[tor
     module._parameters[name] = value
 
 
-def is_compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` or one of its submodules runs torch.compiled: by ``Module.compile()`` (which sets
-    ``_compiled_call_impl``) or by a forward replaced with ``torch.compile(forward)`` (the function torch.compile
-    returns keeps the original as ``_torchdynamo_orig_callable``)."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None
-               or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in module.modules())
+def compiled_whole(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s whole call, hooks included, runs torch.compiled: ``Module.compile()`` sets
+    ``_compiled_call_impl``, which ``Module.__call__`` then runs in place of its own."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

@@ -3,7 +3,7 @@
 - ``NaiveDDP(module, flat=False)``: all-reduce after backward, per parameter or flattened.
 - ``PerParameterDDP(module)``: per-parameter async all-reduce launched during backward.
 - ``BucketedDDP(module, bucket_size_mb)``: bucketed async all-reduce, in place in autograd's own gradients;
-  ``default_bucket_size_mb(module, hosts)`` the cap the strategies pick when none is given.
+  ``default_bucket_size_mb(hosts)`` the cap the strategies pick when none is given.
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
 - ``FullyShardedDataParallel(module, compute_dtype=None, unit_types=None)``: parameters, gradients and optimizer
   state sharded over ranks (ZeRO stage 3), each unit gathered just before its forward and its backward.

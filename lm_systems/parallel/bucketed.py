@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lm_systems.compat.torch import is_compiled
 from lm_systems.parallel.overlap import OverlappedDDP
 
 MiB = 1024 * 1024
-ONE_BUCKET = math.inf  # a cap no gradient reaches: every gradient in one bucket, averaged once backward has ended
-EAGER_BUCKET_MB = 1000.0
+ONE_HOST_BUCKET_MB = 1000.0
 ACROSS_HOSTS_BUCKET_MB = 25.0
 
 
-def default_bucket_size_mb(module: nn.Module, hosts: int) -> float:
-    """The bucket cap for ``module`` when none is given, chosen from measurements on one host of NVLinked GPUs
-    (docs/data_parallel.md): a compiled model's gradients in ONE_BUCKET, since NCCL's kernels running beside a
-    compiled backward slowed it by more than the overlap hid; an eager model's in EAGER_BUCKET_MB buckets, few
-    launches on a host-bound step that still overlap backward. Across hosts (a slower link, not measured here),
-    torch DDP's 25 MB."""
-    if hosts > 1:
-        return ACROSS_HOSTS_BUCKET_MB
-    return ONE_BUCKET if is_compiled(module) else EAGER_BUCKET_MB
+def default_bucket_size_mb(hosts: int) -> float:
+    """The bucket cap when none is given, chosen from measurements on one host of NVLinked GPUs
+    (docs/data_parallel.md): ONE_HOST_BUCKET_MB, a few large buckets, few launches on a host-bound eager step and,
+    compiled, only the last of them left to average after backward. Across hosts (a slower link, not measured
+    here), torch DDP's 25 MB."""
+    return ACROSS_HOSTS_BUCKET_MB if hosts > 1 else ONE_HOST_BUCKET_MB
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lm_systems.compat.torch import (queue_end_of_backward, set_module_parameter, tree_flatten, tree_map,
-                                     tree_unflatten)
+from lm_systems.compat.torch import (compiled_whole, queue_end_of_backward, set_module_parameter, tree_flatten,
+                                     tree_map, tree_unflatten)
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.collectives import GradPresence
 from lm_systems.parallel.sharded_unit import PendingReduction, ShardedParam, ShardedUnit, shard_rows
@@ -81,7 +81,7 @@ class FullyShardedDataParallel(DataParallelModule):
         self.compute_dtype = compute_dtype
         unit_modules = _outermost(module, tuple(unit_types) if unit_types is not None else default_unit_types())
         for prefix, unit in unit_modules:
-            if getattr(unit, "_compiled_call_impl", None) is not None:
+            if compiled_whole(unit):
                 raise ValueError(f"unit {prefix or 'the root'} is torch.compiled whole: FullyShardedDataParallel gathers "
                                  "and frees its parameters in module hooks, which that would trace; compile its forward "
                                  "instead (unit.forward = torch.compile(unit.forward), as TransformerLM.compile_blocks "

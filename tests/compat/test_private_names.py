@@ -97,7 +97,8 @@ def private_members_of_framework_bases(path: Path, tree: ast.AST) -> list[str]:
 
 
 def private_attributes_of_others(tree: ast.AST) -> list[str]:
-    """``x._name`` where ``x`` is not ``self``/``cls``/``super()`` and no code of this module defines ``_name``."""
+    """``x._name`` (or ``getattr(x, "_name")`` and its siblings) where ``x`` is not ``self``/``cls``/``super()`` and no
+    code of this module defines ``_name``."""
     own = own_private_names(tree)
     found = []
     for node in ast.walk(tree):
@@ -108,6 +109,12 @@ def private_attributes_of_others(tree: ast.AST) -> list[str]:
             if isinstance(receiver, ast.Call) and getattr(receiver.func, "id", None) == "super":
                 continue
             found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr", "delattr"):
+            name = node.args[1] if len(node.args) >= 2 else None
+            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+                continue
+            if private(name.value) and name.value not in own:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
     return found
 
 

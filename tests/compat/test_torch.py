@@ -88,12 +88,11 @@ def test_a_memory_snapshot_is_written(tmp_path):
     assert (tmp_path / "snapshot.pickle").stat().st_size > 0, broken("the CUDA memory snapshot")
 
 
-def test_is_compiled_sees_module_compile_and_a_compiled_forward():
-    eager = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    assert not compat.is_compiled(eager)
-    whole = torch.nn.Sequential(torch.nn.Linear(2, 2))
+def test_compiled_whole_sees_module_compile_but_not_a_compiled_forward():
+    whole = torch.nn.Linear(2, 2)
     whole.compile()  # lazy: nothing is traced until a call
-    region = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    region[1].forward = torch.compile(region[1].forward)
-    assert compat.is_compiled(whole), broken("Module._compiled_call_impl")
-    assert compat.is_compiled(region), broken("torch.compile's _torchdynamo_orig_callable")
+    forward_only = torch.nn.Linear(2, 2)
+    forward_only.forward = torch.compile(forward_only.forward)
+    assert compat.compiled_whole(whole), broken("Module._compiled_call_impl")
+    assert not compat.compiled_whole(forward_only)
+    assert not compat.compiled_whole(torch.nn.Linear(2, 2))

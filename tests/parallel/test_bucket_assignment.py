@@ -1,10 +1,12 @@
 """assign_buckets: every bucket within the cap (or one oversized parameter), listed in the order they fill up."""
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
 
-from lm_systems.parallel.bucketed import ONE_BUCKET, MiB, assign_buckets
+from lm_systems.parallel.bucketed import MiB, assign_buckets
 
 
 def params(*sizes_mb: float, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -59,5 +61,5 @@ def test_a_cap_that_is_not_positive_is_refused():
 
 def test_one_bucket_takes_every_gradient_of_a_kind_once_backward_ends():
     order = params(0.1, 300, 2, 40, 0.5)
-    buckets = assign_buckets(order, ONE_BUCKET)
+    buckets = assign_buckets(order, math.inf)
     assert [[id(p) for p in b] for b in buckets] == [[id(p) for p in order]]

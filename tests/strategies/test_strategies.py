@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 import strategies  # noqa: F401  (registers the strategy names)
-from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB, EAGER_BUCKET_MB, ONE_BUCKET
+from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB, ONE_HOST_BUCKET_MB
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, load_ranks, make_trainer,
                               run_cpu_strategies, single_process_reference, zero1_epoch0_checkpoint)
 
@@ -99,21 +98,20 @@ def test_backward_launching_strategies_use_a_launch_thread_unless_told_not_to(ru
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["bucketed_ddp", "zero1"])
-def test_an_eager_model_is_bucketed_by_the_default_cap(runs, name):
-    assert [result["bucket_size_mb"] for result in runs[name]] == [EAGER_BUCKET_MB] * 2
+def test_gradients_are_bucketed_by_the_default_cap(runs, name):
+    assert [result["bucket_size_mb"] for result in runs[name]] == [ONE_HOST_BUCKET_MB] * 2
 
 
 @pytest.mark.parametrize("strategy", ["BucketedDDPStrategy", "Zero1Strategy"])
-def test_a_given_bucket_cap_wins_else_the_model_and_hosts_choose(strategy):
-    eager, compiled = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
-    compiled[0].forward = torch.compile(compiled[0].forward)  # lazy: nothing is traced
+def test_a_given_bucket_cap_wins_else_the_hosts_choose(strategy):
     cls = getattr(strategies, strategy)
-    assert cls(bucket_size_mb=5).bucket_size_mb_for(compiled) == 5
+    given = cls(bucket_size_mb=5)
+    given.num_nodes = 2
+    assert given.bucket_size_mb == 5
     chosen = cls()
-    assert chosen.bucket_size_mb_for(eager) == EAGER_BUCKET_MB
-    assert chosen.bucket_size_mb_for(compiled) == ONE_BUCKET
+    assert chosen.bucket_size_mb == ONE_HOST_BUCKET_MB
     chosen.num_nodes = 2
-    assert chosen.bucket_size_mb_for(compiled) == ACROSS_HOSTS_BUCKET_MB
+    assert chosen.bucket_size_mb == ACROSS_HOSTS_BUCKET_MB
 
 
 @pytest.mark.slow
