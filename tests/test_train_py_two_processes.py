@@ -101,7 +101,6 @@ def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(strategy, unin
         assert after["val_losses"] == resumed_validations and resumed_validations, rank
 
 
-
 @pytest.mark.parametrize("strategy", ["bucketed_ddp", "fsdp2"])
 def test_sigterm_to_the_launched_run_stops_both_ranks_and_exits_143(strategy, train_py, tmp_path):
     sigterm_after_first_checkpoint(train_py, tmp_path, *train_py.tiny, *RUN, "--strategy", strategy)

@@ -192,5 +192,3 @@ class CountingThroughputMonitor(ThroughputMonitor):
         self._lengths[stage] += length
         self._samples[stage] += samples
         self._batches[stage] += 1
-
-

@@ -5,9 +5,9 @@ every batch and from its signal handler; with it, both of these runs hang)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from sigterm_workers import MAX_STEPS, SIGNAL_AFTER, run_sigterm
+from strategy_workers import load_ranks
 
 STRATEGIES = ["bucketed_ddp", "zero3"]
 
@@ -16,7 +16,7 @@ STRATEGIES = ["bucketed_ddp", "zero3"]
 def results(tmp_path_factory, spawn_two_ranks) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("sigterm")
     spawn_two_ranks(run_sigterm, out_dir, STRATEGIES)
-    return [torch.load(out_dir / f"sigterm_rank{rank}.pt") for rank in range(2)]
+    return load_ranks(out_dir, "sigterm")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
