@@ -21,12 +21,10 @@ Every strategy takes communication options (NCCL only):
 stream is high priority (its all-reduces get SMs as soon as backward's kernels free them) and whose
 all-reduces use at most that many thread blocks (leaving the other SMs to backward); and
 ``grad_comm_dtype`` ("bf16"/"fp16") sends gradients in that dtype (half the bytes of fp32) and casts
-the mean back; ``backward_sm_carveout`` sizes cuBLAS's matmuls to all but that many SMs while a backward whose
-gradients are averaged runs (CUDA only), so the all-reduces beside it find SMs free rather than splitting a
-matmul's last wave (pair it with ``comm_max_ctas``). The strategies that communicate during backward
-(overlap_ddp, bucketed_ddp, zero1) also take ``launch_thread`` (default on): the all-reduces are launched from
-a thread of their own instead of from the gradient hooks on autograd's thread, which keeps them from delaying
-backward's own launches on launch-bound hosts.
+the mean back. The strategies that communicate during backward (overlap_ddp, bucketed_ddp, zero1) also
+take ``launch_thread`` (default on): the all-reduces are launched from a thread of their own instead of
+from the gradient hooks on autograd's thread, which keeps them from delaying backward's own launches on
+launch-bound hosts.
 """
 
 from __future__ import annotations
@@ -50,7 +48,6 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lm_systems.compat.lightning import ModelWrappingDDPStrategy
-from lm_systems.compat.torch import set_matmul_sm_carveout
 from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP,
                                  default_bucket_size_mb, gradient_process_group)
 from strategies.sigterm import HostSigtermStrategy
@@ -78,11 +75,7 @@ class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
         comm_high_priority: bool = False,
         comm_max_ctas: Optional[int] = None,
         grad_comm_dtype: Optional[Literal["bf16", "fp16"]] = None,
-        backward_sm_carveout: Optional[int] = None,
     ) -> None:
-        if backward_sm_carveout is not None and backward_sm_carveout < 1:
-            raise ValueError(f"backward_sm_carveout must be a positive number of SMs or None, got "
-                             f"{backward_sm_carveout} (strategy init_args.backward_sm_carveout)")
         if comm_max_ctas is not None and comm_max_ctas < 1:
             raise ValueError(f"comm_max_ctas must be a positive number of thread blocks or None, got {comm_max_ctas} "
                              "(strategy init_args.comm_max_ctas)")
@@ -102,8 +95,6 @@ class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
         self._comm_high_priority = comm_high_priority
         self._comm_max_ctas = comm_max_ctas
         self._grad_comm_dtype = COMM_DTYPES.get(grad_comm_dtype) if grad_comm_dtype else None
-        self._backward_sm_carveout = backward_sm_carveout
-        self._carved_out = False
         self._grad_group: Optional[dist.ProcessGroup] = None
 
     @abstractmethod
@@ -125,11 +116,6 @@ class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
             # Precision.clip_gradients (gradient_clip_val) clips the gradients this rank holds by their own norm;
             # a container that shards them knows the norm over every rank.
             self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip(clip_val)
-        if self._backward_sm_carveout is not None and self.root_device.type == "cuda":
-            sms = torch.cuda.get_device_properties(self.root_device).multi_processor_count
-            if self._backward_sm_carveout >= sms:
-                raise ValueError(f"backward_sm_carveout {self._backward_sm_carveout} leaves no SM of the "
-                                 f"{sms} to the matmuls: lower strategy init_args.backward_sm_carveout")
 
     @contextmanager
     @override
@@ -140,30 +126,13 @@ class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
         else:
             yield
 
-    def _averages_this_backward(self) -> bool:
-        return isinstance(self.model, DataParallelModule) and self.model.require_backward_grad_sync
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        super().pre_backward(closure_loss)
-        if self._backward_sm_carveout and self.root_device.type == "cuda" and self._averages_this_backward():
-            set_matmul_sm_carveout(self._backward_sm_carveout)
-            self._carved_out = True
-
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self._give_back_sms()
-        if self._averages_this_backward():
+        if isinstance(self.model, DataParallelModule) and self.model.require_backward_grad_sync:
             self.model.finish_gradient_synchronization()
-
-    def _give_back_sms(self) -> None:
-        if self._carved_out:
-            set_matmul_sm_carveout(None)
-            self._carved_out = False
 
     @override
     def teardown(self) -> None:
-        self._give_back_sms()
         if isinstance(self.model, DataParallelModule):
             self.model.remove_hooks()
             self.model = self.lightning_module

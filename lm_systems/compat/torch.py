@@ -23,17 +23,6 @@ def compiled_whole(module: torch.nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def set_matmul_sm_carveout(sms: Optional[int]) -> None:
-    """Have cuBLAS size its matmuls to all but ``sms`` of the GPU's SMs (None: all of them), leaving those to kernels
-    running beside them, such as NCCL's. torch marks the setting experimental and names it privately."""
-    torch._C._set_sm_carveout_experimental(sms)
-
-
-def matmul_sm_carveout() -> Optional[int]:
-    """The SMs cuBLAS's matmuls leave free now (None: none)."""
-    return torch._C._get_sm_carveout_experimental()
-
-
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the backward pass now running has finished (torch's FSDP does its last reductions so):
     autograd's engine queue, which torch exposes only through ``Variable._execution_engine``."""

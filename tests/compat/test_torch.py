@@ -96,12 +96,3 @@ def test_compiled_whole_sees_module_compile_but_not_a_compiled_forward():
     assert compat.compiled_whole(whole), broken("Module._compiled_call_impl")
     assert not compat.compiled_whole(forward_only)
     assert not compat.compiled_whole(torch.nn.Linear(2, 2))
-
-
-def test_matmul_sm_carveout_is_set_read_and_cleared():
-    try:
-        compat.set_matmul_sm_carveout(8)
-        assert compat.matmul_sm_carveout() == 8, broken("torch._C._set/_get_sm_carveout_experimental")
-    finally:
-        compat.set_matmul_sm_carveout(None)
-    assert compat.matmul_sm_carveout() is None

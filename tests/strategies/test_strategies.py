@@ -8,14 +8,10 @@ spawn launcher (``bucketed_ddp_spawn``)."""
 
 from __future__ import annotations
 
-from unittest.mock import Mock
-
 import pytest
 import torch
 
 import strategies  # noqa: F401  (registers the strategy names)
-from lm_systems.compat.torch import matmul_sm_carveout, set_matmul_sm_carveout
-from lm_systems.parallel import DataParallelModule
 from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB, ONE_HOST_BUCKET_MB
 from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, load_ranks, make_trainer,
                               run_cpu_strategies, single_process_reference, zero1_epoch0_checkpoint)
@@ -151,28 +147,9 @@ def test_spawn_variant_through_lightnings_launcher(out_dir, reference):
     ("Zero1Strategy", {"bucket_size_mb": float("nan")}, "bucket_size_mb"),
     ("BucketedDDPStrategy", {"grad_comm_dtype": "int8"}, "grad_comm_dtype"),
     ("BucketedDDPStrategy", {"comm_max_ctas": 0}, "comm_max_ctas"),
-    ("BucketedDDPStrategy", {"backward_sm_carveout": 0}, "backward_sm_carveout"),
     ("Zero1Strategy", {"exchange": "allgather"}, "init_args.exchange"),
     ("Zero1Strategy", {"exchange_stages": 0}, "init_args.exchange_stages"),
 ])
 def test_bad_option_names_the_option(strategy, options, said):
     with pytest.raises(ValueError, match=said):
         getattr(strategies, strategy)(**options)
-
-
-def test_backward_sm_carveout_holds_only_through_a_backward_that_averages():
-    strategy = strategies.BucketedDDPStrategy(parallel_devices=[torch.device("cuda", 0)], backward_sm_carveout=8)
-    strategy.model = Mock(spec=DataParallelModule, require_backward_grad_sync=True)
-    at_finish = []
-    strategy.model.finish_gradient_synchronization.side_effect = lambda: at_finish.append(matmul_sm_carveout())
-    loss = torch.zeros(())
-    try:
-        strategy.pre_backward(loss)
-        during = matmul_sm_carveout()
-        strategy.post_backward(loss)
-        assert (during, at_finish, matmul_sm_carveout()) == (8, [None], None)
-        strategy.model.require_backward_grad_sync = False  # a micro-batch under no_sync: nothing is averaged
-        strategy.pre_backward(loss)
-        assert matmul_sm_carveout() is None
-    finally:
-        set_matmul_sm_carveout(None)
