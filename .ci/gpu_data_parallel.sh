@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 30's data-parallel work on two CUDA GPUs of one host (torch 2.11; each stage fits one 10-minute call):
 #   tests     python train.py --devices 2: SIGTERM stops both ranks under bucketed_ddp and zero3 (passed over NCCL on
-#             2 x H100, 2026-11-27 day), and zero3 against torch DDP in bf16-mixed
+#             2 x H100, 2026-11-27), zero3 and zero1 reducing to owners against torch DDP in bf16-mixed, and the
+#             gpu-marked compat tests (NCCL's grouped launch of reduces on one rank)
 #   resumes   the zero1 and zero3 two-GPU resumes (passed 2026-11-26)
 #   scaling   xl compiled at 1024 x 8 per GPU through train.py, two rounds: one GPU, zero1 at its default (1000 MB
 #             buckets: 1.086x one GPU on 2 x H100, 2026-11-27; 1.07x asked) and with grad_reduce: owner (half the
-#             bytes during backward), interleaved (results are written after every visit)
+#             bytes during backward; each bucket's reduces one grouped NCCL launch since 2026-11-27, untested on
+#             GPUs), interleaved (results are written after every visit)
 #   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
@@ -33,8 +35,9 @@ for stage in "${STAGES[@]}"; do
     case $stage in
     tests)
         run train_py_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py \
-            -k "sigterm or zero3-bf16-mixed" \
+            -k "sigterm or zero3-bf16-mixed or owner" \
             --junitxml="$OUT/train_py_2gpu.xml"
+        run compat_gpu 120 python -m pytest -q -p no:cacheprovider -m gpu tests/compat --junitxml="$OUT/compat_gpu.xml"
         ;;
     resumes)
         run resumes_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py \

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import _foreach_copy_ as foreach_copy_  # noqa: F401  the fused per-list ops have no public name
 from torch import _foreach_div_ as foreach_div_  # noqa: F401
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401  torch has no public pytree
@@ -21,6 +22,22 @@ def compiled_whole(module: torch.nn.Module) -> bool:
     """Whether ``module``'s whole call, hooks included, runs torch.compiled: ``Module.compile()`` sets
     ``_compiled_call_impl``, which ``Module.__call__`` then runs in place of its own."""
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def launched_as_one(group: dist.ProcessGroup, device: torch.device,
+                    issue: Callable[[], list[dist.Work]]) -> list[dist.Work]:
+    """Run ``issue``, which launches collectives on ``group``, so that a backend able to group them (NCCL: one group
+    call, one kernel) launches them together, else one by one; the Works to wait for. torch groups only all-reduces,
+    all-gathers and reduce-scatters in public (``allreduce_coalesced``, ...); others, such as reduces to different
+    roots, go through ProcessGroup's private coalescing pair."""
+    if not group._get_backend(device).supports_coalescing:
+        return issue()
+    group._start_coalescing(device)
+    try:
+        issue()
+    finally:
+        work = group._end_coalescing(device)
+    return [work]
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lm_systems.compat.torch import foreach_copy_, foreach_div_
+from lm_systems.compat.torch import foreach_copy_, foreach_div_, launched_as_one
 
 
 def require_process_group(who: str) -> None:
@@ -79,10 +79,12 @@ class GradientAverager:
 
     def start_to_owners(self, tensors: list[torch.Tensor], owners: list[int]) -> PendingAverage:
         """Start reducing each of ``tensors`` to its mean over ranks on the rank ``owners`` names for it (ranks
-        of the group), in place there; elsewhere a tensor only sends, and its value afterwards is undefined."""
+        of the group), in place there; elsewhere a tensor only sends, and its value afterwards is undefined. On
+        NCCL the reduces go out as one grouped launch, as ``allreduce_coalesced`` does for all-reduces."""
         sent, native_avg = self._for_the_wire(tensors)
         op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
-        works = [self.group.reduce([t], self._reduce_options(owner, op)) for t, owner in zip(sent, owners)]
+        works = launched_as_one(self.group, sent[0].device, lambda: [
+            self.group.reduce([t], self._reduce_options(owner, op)) for t, owner in zip(sent, owners)])
         return PendingAverage(sent, _AllOf(works), None if native_avg else self.world_size, tensors)
 
     def _reduce_options(self, root: int, op: dist.ReduceOp) -> dist.ReduceOptions:

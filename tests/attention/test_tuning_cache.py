@@ -20,7 +20,6 @@ import triton  # noqa: E402
 from attention_reference import reference_attention, rel_error  # noqa: E402
 from lm_systems.attention import flash_triton_autotune as autotune  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: E402
-from lm_systems.attention.tuned_kernel import TunedKernel  # noqa: E402
 from lm_systems.attention.tuning_cache import CACHE_ENV, TuningCache, default_cache_dir  # noqa: E402
 from lm_systems.fingerprint import fingerprint  # noqa: E402
 

@@ -4,9 +4,11 @@ release moved, so the adapter (and only it) is what to change."""
 from __future__ import annotations
 
 import inspect
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lm_systems.compat import torch as compat
 
@@ -96,3 +98,45 @@ def test_compiled_whole_sees_module_compile_but_not_a_compiled_forward():
     assert compat.compiled_whole(whole), broken("Module._compiled_call_impl")
     assert not compat.compiled_whole(forward_only)
     assert not compat.compiled_whole(torch.nn.Linear(2, 2))
+
+
+@pytest.fixture
+def one_rank_group(request, tmp_path):
+    """A one-process group of the backend the test names (``gloo`` unless parametrized), destroyed afterwards."""
+    backend = getattr(request, "param", "gloo")
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def reduce_each_to_rank_0(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> list[dist.Work]:
+    options = dist.ReduceOptions()
+    options.rootRank, options.reduceOp = 0, dist.ReduceOp.SUM
+    return [group.reduce([t], options) for t in tensors]
+
+
+def test_the_coalescing_pair_is_where_launched_as_one_looks():
+    for name in ("_start_coalescing", "_end_coalescing", "_get_backend"):
+        assert hasattr(dist.ProcessGroup, name), broken(f"ProcessGroup.{name}")
+
+
+def test_launched_as_one_falls_back_to_each_works_where_the_backend_cannot_group(one_rank_group):
+    tensors = [torch.full((3,), 2.0), torch.full((5,), 3.0)]
+    assert not one_rank_group._get_backend(torch.device("cpu")).supports_coalescing  # gloo
+    works = compat.launched_as_one(one_rank_group, torch.device("cpu"),
+                                   lambda: reduce_each_to_rank_0(one_rank_group, tensors))
+    for work in works:
+        work.wait()
+    assert len(works) == 2 and [t.tolist() for t in tensors] == [[2.0] * 3, [3.0] * 5]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_rank_group", ["nccl"], indirect=True)
+def test_launched_as_one_groups_nccl_reduces_into_one_work(one_rank_group):
+    device = torch.device("cuda", 0)
+    tensors = [torch.full((3,), 2.0, device=device), torch.full((5,), 3.0, device=device)]
+    works = compat.launched_as_one(one_rank_group, device, lambda: reduce_each_to_rank_0(one_rank_group, tensors))
+    assert len(works) == 1, broken("ProcessGroup._start_coalescing / _end_coalescing")
+    works[0].wait()
+    assert [t.tolist() for t in tensors] == [[2.0] * 3, [3.0] * 5]
