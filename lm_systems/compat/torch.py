@@ -37,7 +37,7 @@ def launched_as_one(group: dist.ProcessGroup, device: torch.device,
         issue()
     finally:
         work = group._end_coalescing(device)
-    return [work]
+    return [] if work is None else [work]  # None: nothing was launched
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
