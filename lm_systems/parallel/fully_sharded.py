@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lm_systems.compat.torch import (compiled_whole, queue_end_of_backward, set_module_parameter, tree_flatten,
-                                     tree_map, tree_unflatten)
+from lm_systems.compat.torch import (compiled_whole, foreach_norm, queue_end_of_backward, set_module_parameter,
+                                     tree_flatten, tree_map, tree_unflatten)
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.collectives import GradPresence
 from lm_systems.parallel.sharded_unit import PendingReduction, ShardedParam, ShardedUnit, shard_rows
@@ -225,10 +225,8 @@ class FullyShardedDataParallel(DataParallelModule):
             local.pow_(norm_type)
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
             total = (local + _total_norm(replicated, norm_type, device) ** norm_type) ** (1.0 / norm_type)
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = [p.shard.grad for unit in self._units for p in unit.trainable if p.shard.grad is not None]
-        for grad in grads + replicated:
-            grad.mul_(scale.to(grad.device, grad.dtype))
+        shards = [p.shard for unit in self._units for p in unit.trainable if p.shard.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(shards + self._replicated, max_norm, total)  # one multi-tensor scale
         return total
 
     # -- full parameters and state -----------------------------------------------------------
@@ -354,7 +352,7 @@ def _assign_params(module: nn.Module, units: list[tuple[str, nn.Module]]):
 def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+    norms = torch.stack(foreach_norm(grads, norm_type, dtype=torch.float32))  # multi-tensor kernels, not one a grad
     return torch.linalg.vector_norm(norms, norm_type).to(device)
 
 
