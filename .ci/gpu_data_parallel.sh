@@ -9,6 +9,7 @@
 #             bytes during backward; each bucket's reduces one grouped NCCL launch since 2026-11-27, untested on
 #             GPUs), interleaved (results are written after every visit)
 #   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2
+#             (zero3 68% on 2 x H100 against 80% asked; its clip by multi-tensor kernels since 2026-11-27, unmeasured)
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
 #   .ci/gpu_data_parallel.sh scaling
