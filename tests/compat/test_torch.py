@@ -24,7 +24,6 @@ def test_foreach_ops_divide_and_copy_lists_in_place():
     assert [t.tolist() for t in targets] == [[2.0] * 3, [4.0] * 2], broken("torch._foreach_div_ / _foreach_copy_")
 
 
-
 def test_foreach_norm_takes_each_tensors_norm_in_the_dtype_asked():
     tensors = [torch.tensor([3.0, 4.0], dtype=torch.bfloat16), torch.tensor([[1.0], [-2.0]], dtype=torch.bfloat16)]
     norms = compat.foreach_norm(tensors, 2.0, dtype=torch.float32)
