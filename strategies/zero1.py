@@ -31,6 +31,8 @@ class Zero1Strategy(BucketedDDPStrategy):
 
     The defaults differ from ShardedOptimizer's (one stage, default group): the update pipelined with the
     exchange in 4 stages on a high-priority stream, which is where the pipeline pays (docs/data_parallel.md).
+    Clipping (``gradient_clip_val``) is sharded too: each rank takes the norm of and scales only the gradients of
+    the parameters it steps, and the ranks sum their squared norms; the others' gradients stay unscaled.
 
     ``grad_reduce="owner"`` reduces each gradient only to the rank that steps its parameter, instead of
     all-reducing it (the bytes of a reduce-scatter, not an all-reduce; ZeRO-2's gradient path), and drops it
@@ -73,8 +75,11 @@ class Zero1Strategy(BucketedDDPStrategy):
                 if config.scheduler.optimizer is original:
                     config.scheduler.optimizer = wrapped
         self.optimizers = sharded
-        if self._grad_reduce == "owner" and isinstance(self.model, DataParallelModule):
-            self.model.reduce_to_owners(_owner_lookup(sharded))
+        if isinstance(self.model, DataParallelModule):
+            if self._grad_reduce == "owner":
+                self.model.reduce_to_owners(_owner_lookup(sharded))
+            else:  # a parameter no optimizer holds still counts in the norm, once: rank 0 takes it
+                self.model.clip_only_owned(_owner_lookup(sharded, default=0))
 
     def _shard(self, optimizer: Optimizer) -> ShardedOptimizer:
         if isinstance(optimizer, ShardedOptimizer):
@@ -91,12 +96,15 @@ class Zero1Strategy(BucketedDDPStrategy):
         return wrapped
 
 
-def _owner_lookup(sharded: list[ShardedOptimizer]) -> Callable[[Parameter], int]:
-    """The rank that steps a parameter, over every sharded optimizer; a clear error for one none of them holds."""
+def _owner_lookup(sharded: list[ShardedOptimizer], default: Optional[int] = None) -> Callable[[Parameter], int]:
+    """The rank that steps a parameter, over every sharded optimizer; for one none of them holds, ``default``, or
+    without it a clear error."""
     owners = {id(p): optimizer.owner(p) for optimizer in sharded for group in optimizer.param_groups
               for p in group["params"]}
 
     def owner(param: Parameter) -> int:
+        if id(param) not in owners and default is not None:
+            return default
         if id(param) not in owners:
             raise ValueError(f"grad_reduce 'owner' needs every trainable parameter in an optimizer, but one of shape "
                              f"{tuple(param.shape)} is in none: no rank would step it (strategy init_args.grad_reduce)")

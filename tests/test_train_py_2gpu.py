@@ -74,7 +74,7 @@ def test_strategy_trains_like_torch_ddp(strategy, precision, tmp_path, cache_dir
     if strategy == "fsdp2" and precision == "16-mixed":
         pytest.skip("Lightning's ModelParallelStrategy takes no 16-mixed (no sharded GradScaler)")
     if strategy == ZERO1_OWNER and precision == "16-mixed":
-        pytest.skip("grad_reduce owner refuses 16-mixed (tests/strategies/test_zero1_owner_reduce.py)")
+        pytest.skip("grad_reduce owner refuses 16-mixed (tests/strategies/test_zero1_clipping.py)")
     train_py_2gpu(train_py, tmp_path, cache_dir, "--strategy", *strategy.split(), "--precision", precision)
     assert_trained(tmp_path)
     norms = logged(tmp_path, "train/grad_norm")

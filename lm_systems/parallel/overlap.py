@@ -44,6 +44,7 @@ class OverlappedDDP(DataParallelModule):
         self._next_unit = 0
         self._zeros: dict[tuple[int, int], torch.Tensor] = {}  # (unit, index): sent for a gradient this rank lacks
         self._owners: list[list[int]] | None = None  # per unit, each gradient's owner (reduce_to_owners)
+        self._clipped: list[nn.Parameter] | None = None  # what clip_grad_norm_ reads and scales (clip_only_owned)
         self._owner_ranks: list[list[int]] = []  # the same owners as ranks of the gradient group
         flat_index = 0
         for u, unit in enumerate(units):
@@ -60,6 +61,13 @@ class OverlappedDDP(DataParallelModule):
         group = self._averager.group
         self._owners = [[owner(p) for p in unit] for unit in self._units]
         self._owner_ranks = [[dist.get_group_rank(group, rank) for rank in unit] for unit in self._owners]
+        self.clip_only_owned(owner)
+
+    def clip_only_owned(self, owner: Callable[[nn.Parameter], int]) -> None:
+        """Have ``clip_grad_norm_`` read and scale only the gradients of the parameters ``owner(param)`` gives this
+        rank, the ranks' squared norms summed (a collective), for a ZeRO-1 optimizer that steps only those: the
+        clip's passes over the gradients are split among the ranks, and the other gradients are left unscaled."""
+        self._clipped = [p for p in self._params if owner(p) == self.rank]
 
     @property
     def units(self) -> list[list[nn.Parameter]]:
@@ -156,11 +164,11 @@ class OverlappedDDP(DataParallelModule):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the synchronised gradients to a global 2-norm of at most ``max_norm``; the norm before clipping.
-        After ``reduce_to_owners`` each rank holds a shard of them: the shards' squared norms are summed over
-        ranks (a collective)."""
-        if self._owners is None:
+        After ``clip_only_owned`` (or ``reduce_to_owners``) each rank takes its own parameters' gradients: their
+        squared norms are summed over ranks (a collective), and only they are scaled."""
+        if self._clipped is None:
             return torch.nn.utils.clip_grad_norm_(self._params, max_norm)
-        held = [p for p in self._params if p.grad is not None]
+        held = [p for p in self._clipped if p.grad is not None]
         device = self._params[0].device
         local = torch.nn.utils.get_total_norm([p.grad for p in held]) if held else torch.zeros((), device=device)
         squared = local.float().square()

@@ -1,5 +1,6 @@
-"""zero1 with ``grad_reduce: owner`` on two CPU processes (gloo) against single-process training on the same global
-batch: each gradient reduced only to the rank that steps it, clipping by the norm over both ranks' shards."""
+"""zero1 clipping every step, on two CPU processes (gloo) against single-process training on the same global batch:
+each rank takes the norm of and scales only the gradients it steps, the ranks' squared norms summed. With
+``grad_reduce: owner`` each gradient is also reduced only to the rank that steps it; by default it is all-reduced."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import pytest
 import torch
 
 import strategies
+from strategies.zero1 import _owner_lookup
 from strategy_workers import ENGAGED_CLIP, load_ranks, run_cpu_strategies, single_process_reference
 
 CLIP = ENGAGED_CLIP  # every step clips, by the norm over both ranks' gradients
 
 
+RUNS = ["zero1+owner", "zero1"]
+
+
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("zero1_owner")
+    return tmp_path_factory.mktemp("zero1_clipping")
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +31,16 @@ def reference(out_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks(out_dir, spawn_two_ranks) -> list[dict]:
-    spawn_two_ranks(run_cpu_strategies, out_dir, ["zero1+owner"], CLIP)
-    return load_ranks(out_dir, "zero1+owner")
+def runs(out_dir, spawn_two_ranks) -> dict[str, list[dict]]:
+    spawn_two_ranks(run_cpu_strategies, out_dir, RUNS, CLIP)
+    return {name: load_ranks(out_dir, name) for name in RUNS}
 
 
 @pytest.mark.slow
-def test_trains_like_one_process_with_every_step_clipped(ranks, reference):
+@pytest.mark.parametrize("name", RUNS)
+def test_trains_like_one_process_with_every_step_clipped(runs, reference, name):
     assert min(reference["grad_norms"]) > CLIP, "every step clips"
-    for result in ranks:
+    for result in runs[name]:
         assert result["wrapper"] == "BucketedDDP"
         for name, expected in reference["final"].items():
             torch.testing.assert_close(result["final"][name], expected, atol=1e-5, rtol=1e-4,
@@ -44,18 +50,19 @@ def test_trains_like_one_process_with_every_step_clipped(ranks, reference):
 
 
 @pytest.mark.slow
-def test_each_rank_holds_its_shard_of_the_averaged_gradients(ranks, reference):
+def test_reducing_to_owners_leaves_each_rank_its_shard_of_the_averaged_gradients(runs, reference):
     """Before the step each rank's gradients are the mean over ranks of the parameters it owns, no others: the
     two ranks' norms combine into one process's norm, and neither alone reaches it."""
     for step, expected in enumerate(reference["grad_norms"]):
-        local = [result["grad_norms"][step] for result in ranks]
+        local = [result["grad_norms"][step] for result in runs["zero1+owner"]]
         assert math.hypot(*local) == pytest.approx(expected, rel=1e-4)
         assert max(local) < expected * (1 - 1e-3)
 
 
 @pytest.mark.slow
-def test_teardown_removes_hooks_and_unwraps(ranks):
-    for result in ranks:
+@pytest.mark.parametrize("name", RUNS)
+def test_teardown_removes_hooks_and_unwraps(runs, name):
+    for result in runs[name]:
         assert result["unwrapped"] and result["hooks_left"] == 0 and result["launch_threads_alive"] == 0
 
 
@@ -69,3 +76,12 @@ def test_owner_reduce_refuses_a_grad_scaler():
     strategy.precision_plugin = SimpleNamespace(scaler=object())  # what 16-mixed gives on a GPU
     with pytest.raises(ValueError, match="16-mixed.*init_args.grad_reduce"):
         strategy.setup(trainer=None)
+
+
+def test_a_parameter_no_optimizer_holds_is_clipped_by_rank_0_and_reduced_to_nobody():
+    held, loose = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    optimizer = SimpleNamespace(param_groups=[{"params": [held]}], owner=lambda param: 1)
+    clip_owner = _owner_lookup([optimizer], default=0)
+    assert (clip_owner(held), clip_owner(loose)) == (1, 0)  # counted once in the norm over ranks
+    with pytest.raises(ValueError, match="in none.*init_args.grad_reduce"):
+        _owner_lookup([optimizer])(loose)
