@@ -6,9 +6,8 @@
 #   resumes   the zero1 and zero3 two-GPU resumes (passed 2026-11-26)
 #   scaling   xl compiled at 1024 x 8 per GPU through train.py, two rounds: one GPU, zero1 at its default (1000 MB
 #             buckets: 1.086x one GPU on 2 x H100, 2026-11-27, before its clip was sharded; 1.07x asked) and with
-#             grad_reduce: owner (half the
-#             bytes during backward; each bucket's reduces one grouped NCCL launch since 2026-11-27, untested on
-#             GPUs), interleaved (results are written after every visit)
+#             grad_reduce: owner (half the bytes during backward; each bucket's reduces one grouped NCCL launch
+#             since 2026-11-27, untested on GPUs), interleaved (results are written after every visit)
 #   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2
 #             (zero3 68% on 2 x H100 against 80% asked; its clip by multi-tensor kernels since 2026-11-27, unmeasured)
 #
