@@ -103,11 +103,11 @@ def _owner_lookup(sharded: list[ShardedOptimizer], default: Optional[int] = None
               for p in group["params"]}
 
     def owner(param: Parameter) -> int:
-        if id(param) not in owners and default is not None:
-            return default
-        if id(param) not in owners:
+        if id(param) in owners:
+            return owners[id(param)]
+        if default is None:
             raise ValueError(f"grad_reduce 'owner' needs every trainable parameter in an optimizer, but one of shape "
                              f"{tuple(param.shape)} is in none: no rank would step it (strategy init_args.grad_reduce)")
-        return owners[id(param)]
+        return default
 
     return owner

@@ -213,8 +213,8 @@ class FullyShardedDataParallel(DataParallelModule):
         The sharded gradients' norms are combined over ranks, padding rows excluded; replicated
         gradients, equal on every rank after synchronisation, are counted once."""
         norm_type = float(norm_type)
-        sharded = [p.valid_rows(p.shard.grad, unit.rank) for unit in self._units for p in unit.trainable
-                   if p.shard.grad is not None]
+        held = [(p, unit.rank) for unit in self._units for p in unit.trainable if p.shard.grad is not None]
+        sharded = [p.valid_rows(p.shard.grad, rank) for p, rank in held]
         replicated = [p.grad for p in self._replicated if p.grad is not None]
         device = next(self.module.parameters()).device
         local = _total_norm(sharded, norm_type, device)
@@ -225,7 +225,7 @@ class FullyShardedDataParallel(DataParallelModule):
             local.pow_(norm_type)
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
             total = (local + _total_norm(replicated, norm_type, device) ** norm_type) ** (1.0 / norm_type)
-        shards = [p.shard for unit in self._units for p in unit.trainable if p.shard.grad is not None]
+        shards = [p.shard for p, _ in held]
         torch.nn.utils.clip_grads_with_norm_(shards + self._replicated, max_norm, total)  # one multi-tensor scale
         return total
 

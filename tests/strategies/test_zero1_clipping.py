@@ -15,8 +15,6 @@ from strategies.zero1 import _owner_lookup
 from strategy_workers import ENGAGED_CLIP, load_ranks, run_cpu_strategies, single_process_reference
 
 CLIP = ENGAGED_CLIP  # every step clips, by the norm over both ranks' gradients
-
-
 RUNS = ["zero1+owner", "zero1"]
 
 
