@@ -6,20 +6,17 @@ from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lm_systems.compat.lightning import optimizer_to_device
-from lm_systems.compat.torch import overflow_flags
 from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
 from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
+from strategies.sharded_grad_scaler import agree_on_overflow
 
 
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -78,10 +75,7 @@ class Zero3Strategy(ContainerDDPStrategy):
         super().setup(trainer)
         if self._sharded is None:  # not fitting: the module stays whole on every rank
             return
-        plugin = self.precision_plugin  # its clip_grad_by_norm goes through the container (ContainerDDPStrategy)
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            # A plain GradScaler finds infs only in this rank's shards: ranks would disagree on skipping.
-            plugin.scaler = _ScalarFlagShardedGradScaler(process_group=self._grad_group or dist.group.WORLD)
+        agree_on_overflow(self.precision_plugin, self.root_device, self._grad_group)  # each rank unscales its shards
 
     # -- checkpoints: full weights and full optimizer state ----------------------------------
 
@@ -116,14 +110,3 @@ class Zero3Strategy(ContainerDDPStrategy):
             self._sharded.load_full_optimizer_state_dict(optimizer, state)
             optimizer_to_device(optimizer, self.root_device)
 
-
-class _ScalarFlagShardedGradScaler(ShardedGradScaler):
-    """torch's ShardedGradScaler with 0-dim overflow flags: fused AdamW takes the flag as ``found_inf`` and
-    subtracts it from its 0-dim step counts, which fails on ShardedGradScaler's own shape-[1] flags."""
-
-    @override
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        super().unscale_(optimizer)
-        flags = overflow_flags(self, optimizer)
-        for device, flag in flags.items():
-            flags[device] = flag.reshape(())
