@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issue 30's data-parallel work on two CUDA GPUs of one host (torch 2.11; each stage fits one 10-minute call):
 #   tests     python train.py --devices 2: SIGTERM stops both ranks under bucketed_ddp and zero3 (passed over NCCL on
-#             2 x H100, 2026-11-27), zero3 and zero1 reducing to owners against torch DDP in bf16-mixed, and the
-#             gpu-marked compat tests (NCCL's grouped launch of reduces on one rank)
+#             2 x H100, 2026-11-27), zero3 and zero1 against torch DDP in bf16-mixed, zero1 in 16-mixed (reducing to
+#             owners under torch's ShardedGradScaler, its default since 2026-11-27: passed on 2 x H100), zero1's
+#             runs of the strategies' GPU tests, and the gpu-marked compat tests (NCCL's grouped launch of reduces)
 #   resumes   the zero1 and zero3 two-GPU resumes (passed 2026-11-26)
-#   scaling   xl compiled at 1024 x 8 per GPU through train.py, two rounds: one GPU, zero1 at its default (1000 MB
-#             buckets: 1.086x one GPU on 2 x H100, 2026-11-27, before its clip was sharded; 1.07x asked) and with
-#             grad_reduce: owner (half the bytes during backward; each bucket's reduces one grouped NCCL launch
-#             since 2026-11-27, untested on GPUs), interleaved (results are written after every visit)
+#   scaling   xl compiled at 1024 x 8 per GPU through train.py, two rounds: one GPU, zero1 at its default (reducing
+#             to owners: 1.055-1.063x one GPU on 2 x H100, 2026-11-27; 1.07x asked) and bucketed_ddp at its default
+#             (1000 MB buckets: 93.6-94.2% scaling; 95% asked), interleaved (results are written after every visit)
 #   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2
-#             (zero3 68% on 2 x H100 against 80% asked; its clip by multi-tensor kernels since 2026-11-27, unmeasured)
+#             (2 x H100, 2026-11-27: bucketed_ddp 96.3%, zero3 70.1% against 80% asked)
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
 #   .ci/gpu_data_parallel.sh scaling
@@ -36,8 +36,10 @@ for stage in "${STAGES[@]}"; do
     case $stage in
     tests)
         run train_py_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py \
-            -k "sigterm or zero3-bf16-mixed or owner" \
+            -k "sigterm or zero3-bf16-mixed or zero1-bf16-mixed or zero1-16-mixed" \
             --junitxml="$OUT/train_py_2gpu.xml"
+        run strategies_zero1 200 python -m pytest -q -p no:cacheprovider tests/strategies/test_strategies_gpu.py -k zero1 \
+            --junitxml="$OUT/strategies_zero1.xml"
         run compat_gpu 120 python -m pytest -q -p no:cacheprovider -m gpu tests/compat --junitxml="$OUT/compat_gpu.xml"
         ;;
     resumes)
@@ -45,7 +47,7 @@ for stage in "${STAGES[@]}"; do
             -k "resume and (zero1 or zero3)" --junitxml="$OUT/resumes_2gpu.xml"
         ;;
     scaling)
-        scaling scaling 1024x8:compiled 2 single zero1 zero1+grad_reduce=owner
+        scaling scaling 1024x8:compiled 2 single zero1 bucketed_ddp
         ;;
     eager)
         scaling eager 512x4:eager 1 single bucketed_ddp ddp zero3 fsdp2

@@ -14,6 +14,7 @@ from typing_extensions import override
 from lm_systems.parallel import DataParallelModule, ShardedOptimizer, optimizer_init_kwargs
 from lm_systems.parallel.sharded_optimizer import Exchange
 from strategies.data_parallel import BucketedDDPStrategy
+from strategies.sharded_grad_scaler import agree_on_overflow
 
 GradReduce = Literal["all_reduce", "owner"]
 
@@ -34,17 +35,18 @@ class Zero1Strategy(BucketedDDPStrategy):
     Clipping (``gradient_clip_val``) is sharded too: each rank takes the norm of and scales only the gradients of
     the parameters it steps, and the ranks sum their squared norms; the others' gradients stay unscaled.
 
-    ``grad_reduce="owner"`` reduces each gradient only to the rank that steps its parameter, instead of
-    all-reducing it (the bytes of a reduce-scatter, not an all-reduce; ZeRO-2's gradient path), and drops it
-    on the other ranks; clipping combines the ranks' norms. Hooks after synchronisation (``on_before_optimizer_step``)
-    then see this rank's gradients only. Not under 16-mixed (its GradScaler would find overflows per rank).
+    ``grad_reduce="owner"`` (the default) reduces each gradient only to the rank that steps its parameter instead
+    of all-reducing it (the bytes of a reduce-scatter, not an all-reduce; ZeRO-2's gradient path), and drops it on
+    the other ranks. Hooks after synchronisation (``on_before_optimizer_step``) then see this rank's gradients only;
+    a 16-mixed GradScaler sums its overflow flags over the ranks, so that they agree on skipping a step.
+    ``"all_reduce"`` leaves every rank all the averaged gradients, as bucketed_ddp does.
     """
 
     strategy_name = "zero1"
     strategy_description = "ZeRO-1: BucketedDDP gradients, ShardedOptimizer state"
 
     def __init__(self, bucket_size_mb: Optional[float] = None, exchange: Exchange = "p2p", exchange_stages: int = 4,
-                 comm_high_priority: bool = True, grad_reduce: GradReduce = "all_reduce", **kwargs: Any) -> None:
+                 comm_high_priority: bool = True, grad_reduce: GradReduce = "owner", **kwargs: Any) -> None:
         if grad_reduce not in ("all_reduce", "owner"):
             raise ValueError(f"grad_reduce must be 'all_reduce' or 'owner', got {grad_reduce!r} "
                              "(strategy init_args.grad_reduce)")
@@ -60,11 +62,9 @@ class Zero1Strategy(BucketedDDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        if self._grad_reduce == "owner" and getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("grad_reduce 'owner' does not run under 16-mixed: each rank would find overflows in "
-                             "its own gradients only; use bf16-mixed or grad_reduce 'all_reduce' "
-                             "(strategy init_args.grad_reduce)")
         super().setup(trainer)
+        if self._grad_reduce == "owner":  # each rank unscales only the gradients it owns
+            agree_on_overflow(self.precision_plugin, self.root_device, self._grad_group)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -106,8 +106,9 @@ def _owner_lookup(sharded: list[ShardedOptimizer], default: Optional[int] = None
         if id(param) in owners:
             return owners[id(param)]
         if default is None:
-            raise ValueError(f"grad_reduce 'owner' needs every trainable parameter in an optimizer, but one of shape "
-                             f"{tuple(param.shape)} is in none: no rank would step it (strategy init_args.grad_reduce)")
+            raise ValueError(f"zero1's grad_reduce 'owner' needs every trainable parameter in an optimizer, but one "
+                             f"of shape {tuple(param.shape)} is in none: no rank would step it; put it in one, or "
+                             "set --trainer.strategy.grad_reduce all_reduce")
         return default
 
     return owner

@@ -21,8 +21,8 @@ from sigterm_run import sigterm_after_first_checkpoint
 from test_train_py_gpu import assert_trained, logged, version_dir
 
 STEPS = 12
-ZERO1_OWNER = "zero1 --trainer.strategy.grad_reduce owner"  # each gradient reduced to the rank that steps it
-REPLICATED = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", ZERO1_OWNER]
+ZERO1_ALL_REDUCE = "zero1 --trainer.strategy.grad_reduce all_reduce"  # every rank keeps all averaged gradients
+REPLICATED = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", ZERO1_ALL_REDUCE]
 SHARDED = ["zero3", "fsdp2"]
 PRECISIONS = ["bf16-mixed", "16-mixed"]
 CLIP = 0.05  # below the tiny model's gradient norm at these steps: every step clips (asserted below)
@@ -73,8 +73,6 @@ def ddp_run(tmp_path_factory, cache_dir, train_py):
 def test_strategy_trains_like_torch_ddp(strategy, precision, tmp_path, cache_dir, ddp_run, train_py):
     if strategy == "fsdp2" and precision == "16-mixed":
         pytest.skip("Lightning's ModelParallelStrategy takes no 16-mixed (no sharded GradScaler)")
-    if strategy == ZERO1_OWNER and precision == "16-mixed":
-        pytest.skip("grad_reduce owner refuses 16-mixed (tests/strategies/test_zero1_clipping.py)")
     train_py_2gpu(train_py, tmp_path, cache_dir, "--strategy", *strategy.split(), "--precision", precision)
     assert_trained(tmp_path)
     norms = logged(tmp_path, "train/grad_norm")

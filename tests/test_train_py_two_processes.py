@@ -29,8 +29,8 @@ RUN = ["--accelerator", "cpu", "--devices", "2", "--max_steps", str(STEPS), "--a
        "--checkpointing_interval", str(STOP_AT), "--trainer.logger", "false"]
 
 
-ZERO1_OWNER = "zero1 --trainer.strategy.grad_reduce owner"  # each gradient reduced to the rank that steps it
-RESUMED = ["bucketed_ddp", "zero1", "zero3", ZERO1_OWNER]
+ZERO1_ALL_REDUCE = "zero1 --trainer.strategy.grad_reduce all_reduce"  # every rank keeps all averaged gradients
+RESUMED = ["bucketed_ddp", "zero1", "zero3", ZERO1_ALL_REDUCE]
 # RESUMED first, at the same positions in both lists: pytest keys a module-scoped parameter by its position, and
 # then runs each strategy's uninterrupted run once for both tests.
 STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp"]

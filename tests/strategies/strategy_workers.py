@@ -32,6 +32,7 @@ CLIP = 5.0
 ENGAGED_CLIP = 0.3
 COMMUNICATING = [(dist, name) for name in ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")]
 COMMUNICATING.append((GradientAverager, "start"))  # the containers' gradient all-reduces bypass dist.all_reduce
+COMMUNICATING.append((GradientAverager, "start_to_owners"))  # and zero1's reduces to owners dist.reduce
 COMMUNICATING.append((sharded_unit, "_reduce_scatter_grads"))  # zero3's gradient reduce-scatters
 CHECKPOINTED = ("zero1", "zero3")  # keep their end-of-epoch checkpoints, then resume from epoch 0's
 
@@ -170,16 +171,16 @@ def make_strategy(name: str):
     """A registered name, ``bucketed_ddp+bf16`` (bucketed_ddp sending its gradients in bf16),
     ``bucketed_ddp+no_thread`` (launching its all-reduces from the gradient hooks themselves) or
     ``zero1+stages1`` (zero1 stepping its whole shard, then exchanging, on the default group), or
-    ``bucketed_ddp+compiled`` (bucketed_ddp training a TinyLM with a compiled layer), or ``zero1+owner`` (zero1
-    reducing each gradient to the rank that steps it)."""
+    ``bucketed_ddp+compiled`` (bucketed_ddp training a TinyLM with a compiled layer), or ``zero1+all_reduce``
+    (zero1 leaving every rank all the averaged gradients, where by default each goes only to the rank that steps it)."""
     if name == "bucketed_ddp+bf16":
         return BucketedDDPStrategy(grad_comm_dtype="bf16")
     if name == "zero1+stages1":
         return Zero1Strategy(exchange_stages=1, comm_high_priority=False)
     if name == "bucketed_ddp+compiled":
         return "bucketed_ddp"
-    if name == "zero1+owner":
-        return Zero1Strategy(grad_reduce="owner")
+    if name == "zero1+all_reduce":
+        return Zero1Strategy(grad_reduce="all_reduce")
     if name == "bucketed_ddp+no_thread":
         return BucketedDDPStrategy(launch_thread=False)
     return name

@@ -19,6 +19,9 @@ from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, Tin
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "bucketed_ddp+no_thread"]
 WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "PerParameterDDP", "bucketed_ddp": "BucketedDDP",
             "zero1": "BucketedDDP", "bucketed_ddp+no_thread": "BucketedDDP"}
+# zero1 reduces each gradient only to the rank that steps it: its hooks see that rank's gradients, whose norms
+# combine into one process's (tests/strategies/test_zero1_clipping.py); with grad_reduce all_reduce, all of them.
+HOOKS_SEE_ALL_GRADIENTS = [name for name in STRATEGIES if name != "zero1"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def test_trains_like_one_process_on_the_global_batch(runs, reference, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", HOOKS_SEE_ALL_GRADIENTS)
 def test_clipping_and_hooks_see_averaged_gradients_and_the_schedule(runs, reference, name):
     for rank in range(2):
         torch.testing.assert_close(runs[name][rank]["grad_norms"], reference["grad_norms"], rtol=1e-4, atol=1e-6)

@@ -1,6 +1,7 @@
 """zero1 clipping every step, on two CPU processes (gloo) against single-process training on the same global batch:
-each rank takes the norm of and scales only the gradients it steps, the ranks' squared norms summed. With
-``grad_reduce: owner`` each gradient is also reduced only to the rank that steps it; by default it is all-reduced."""
+each rank takes the norm of and scales only the gradients it steps, the ranks' squared norms summed. By default
+(``grad_reduce: owner``) each gradient is also reduced only to the rank that steps it; with ``all_reduce`` to every
+rank."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from strategies.zero1 import _owner_lookup
 from strategy_workers import ENGAGED_CLIP, load_ranks, run_cpu_strategies, single_process_reference
 
 CLIP = ENGAGED_CLIP  # every step clips, by the norm over both ranks' gradients
-RUNS = ["zero1+owner", "zero1"]
+RUNS = ["zero1", "zero1+all_reduce"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_reducing_to_owners_leaves_each_rank_its_shard_of_the_averaged_gradients
     """Before the step each rank's gradients are the mean over ranks of the parameters it owns, no others: the
     two ranks' norms combine into one process's norm, and neither alone reaches it."""
     for step, expected in enumerate(reference["grad_norms"]):
-        local = [result["grad_norms"][step] for result in runs["zero1+owner"]]
+        local = [result["grad_norms"][step] for result in runs["zero1"]]
         assert math.hypot(*local) == pytest.approx(expected, rel=1e-4)
         assert max(local) < expected * (1 - 1e-3)
 
@@ -69,17 +70,10 @@ def test_grad_reduce_takes_all_reduce_or_owner():
         strategies.Zero1Strategy(grad_reduce="scatter")
 
 
-def test_owner_reduce_refuses_a_grad_scaler():
-    strategy = strategies.Zero1Strategy(grad_reduce="owner")
-    strategy.precision_plugin = SimpleNamespace(scaler=object())  # what 16-mixed gives on a GPU
-    with pytest.raises(ValueError, match="16-mixed.*init_args.grad_reduce"):
-        strategy.setup(trainer=None)
-
-
 def test_a_parameter_no_optimizer_holds_is_clipped_by_rank_0_and_reduced_to_nobody():
     held, loose = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
     optimizer = SimpleNamespace(param_groups=[{"params": [held]}], owner=lambda param: 1)
     clip_owner = _owner_lookup([optimizer], default=0)
     assert (clip_owner(held), clip_owner(loose)) == (1, 0)  # counted once in the norm over ranks
-    with pytest.raises(ValueError, match="in none.*init_args.grad_reduce"):
+    with pytest.raises(ValueError, match="in none.*--trainer.strategy.grad_reduce all_reduce"):
         _owner_lookup([optimizer])(loose)
