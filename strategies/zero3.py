@@ -109,4 +109,3 @@ class Zero3Strategy(ContainerDDPStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             self._sharded.load_full_optimizer_state_dict(optimizer, state)
             optimizer_to_device(optimizer, self.root_device)
-
