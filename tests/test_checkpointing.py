@@ -138,3 +138,26 @@ def test_a_kill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path):
         step = state["global_step"]
         assert step >= saved  # at least the last save it reported, maybe the one after, never a torn one
         assert torch.equal(state["state_dict"]["w"], torch.full((4_000_000,), float(step)))
+
+
+class CtrlCWhenPickled:
+    """Sends this process SIGINT while torch.save pickles it, after the tensors before it were written."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        return (dict, ())
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_during_a_save_is_raised_after_the_file_is_whole(tmp_path, presses):
+    """torch.save turned a Ctrl-C mid-write into a RuntimeError of its zip writer (CI saw exit 1, not 130).
+
+    One press waits for the write and is raised after it; a second press raises at once and leaves no file."""
+    path = tmp_path / "last.ckpt"
+    state = {"state_dict": {"w": torch.arange(100_000.0)}, "interrupt": [CtrlCWhenPickled() for _ in range(presses)]}
+    with pytest.raises(KeyboardInterrupt):
+        SafeCheckpointIO().save_checkpoint(state, path)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if presses == 1:
+        assert torch.equal(torch.load(path, weights_only=False)["state_dict"]["w"], torch.arange(100_000.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["last.ckpt"] if presses == 1 else [])
