@@ -70,8 +70,8 @@ class ShardedParam:
     slots: list[tuple[nn.Module, str]]
     names: list[str]
     flat: torch.Tensor  # the full parameter's storage as one flat tensor for every rank's shard, in rank order
+    storage: torch.UntypedStorage  # the full parameter's, resized to gather and to release
     offset: int = 0  # in the unit's flat shard (gather_masters' layout)
-    grad_offset: int = -1  # in the unit's flat gradient shard (reduce-scatter output); -1: frozen
 
     @classmethod
     def create(cls, original: torch.Tensor, shard: nn.Parameter, dtype: torch.dtype, world_size: int,
@@ -82,10 +82,11 @@ class ShardedParam:
         full = nn.Parameter(torch.empty(original.shape, dtype=dtype, device=original.device),
                             requires_grad=original.requires_grad)
         size = shard.numel() * world_size
-        full.untyped_storage().resize_(size * full.element_size())
+        storage = full.untyped_storage()
+        storage.resize_(size * full.element_size())
         flat = full.data.as_strided((size,), (1,))
-        full.untyped_storage().resize_(0)
-        return cls(shard, full, original.shape, slots, names, flat, offset)
+        storage.resize_(0)
+        return cls(shard, full, original.shape, slots, names, flat, storage, offset)
 
     @property
     def numel(self) -> int:
@@ -93,11 +94,11 @@ class ShardedParam:
 
     def allocate(self) -> torch.Tensor:
         """Give the full parameter its storage back; returns ``flat``, which the all-gather fills."""
-        self.full.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        self.storage.resize_(self.flat.nbytes)
         return self.flat
 
     def release(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        self.storage.resize_(0)
 
     def valid_rows(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """The rows of a shard-shaped ``tensor`` that hold real rows of the parameter (padding excluded)."""
@@ -137,7 +138,7 @@ class ShardedUnit:
         self.rank = dist.get_rank(group)
         self.params: list[ShardedParam] = []
         self.trainable: list[ShardedParam] = []
-        offset = grad_offset = 0
+        offset = 0
         for original, slots, names in params:
             shard = nn.Parameter(shard_rows(original.detach(), self.rank, self.world_size),
                                  requires_grad=original.requires_grad)
@@ -145,11 +146,10 @@ class ShardedUnit:
                                         names, offset)
             offset += param.numel
             if original.requires_grad:
-                param.grad_offset = grad_offset
-                grad_offset += param.numel
                 self.trainable.append(param)
             self.params.append(param)
-        self.shard_numel, self.grad_numel = offset, grad_offset
+        self._grad_sizes = [p.numel for p in self.trainable]  # the reduce-scatter's flat output, in this order
+        self.shard_numel, self.grad_numel = offset, sum(self._grad_sizes)
         self.compute_dtype = compute_dtype or self.params[0].shard.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.device = self.params[0].shard.device
@@ -227,7 +227,7 @@ class ShardedUnit:
         full gradients are handed over to it (``.grad`` set to None) and released when it completes."""
         flags = len(self.trainable)
         output = torch.empty(self.grad_numel + flags, dtype=self.reduce_dtype, device=self.device)
-        outputs = list(output.split([p.numel for p in self.trainable] + [flags]))
+        outputs = list(output.split([*self._grad_sizes, flags]))
         sent, local = [], []
         for p in self.trainable:
             sent.append(self._reduce_input(p))
@@ -266,10 +266,12 @@ class ShardedUnit:
         # All present here means present everywhere: no read of the flags (no host-device sync).
         anywhere = pending.local_present if all(pending.local_present) else \
             (output[self.grad_numel :] > 0).tolist()
-        for p, present in zip(self.trainable, anywhere):
+        for p, grad, present in zip(self.trainable, means.split(self._grad_sizes), anywhere):
             if not present:
                 continue
-            grad = means[p.grad_offset : p.grad_offset + p.numel].view(p.shard.shape).to(p.shard.dtype)
+            grad = grad.view(p.shard.shape)
+            if self._master_dtype is None:
+                grad = grad.to(p.shard.dtype)
             if p.shard.grad is None:
                 p.shard.grad = grad
             else:
