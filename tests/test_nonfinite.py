@@ -71,8 +71,8 @@ class _PoisonedLM(LitLM):
         loss = super()._loss(batch)
         return loss * float("nan") if self.training and self.trainer.global_step in self.poisoned else loss
 
-    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        norm = super()._clip_grad_norm(max_norm)
+    def _clip_grad_norm(self, max_norm: float, in_step_of) -> torch.Tensor:
+        norm = super()._clip_grad_norm(max_norm, in_step_of)
         self.grad_norms.append(norm.item())
         return norm
 
@@ -134,6 +134,19 @@ def test_skipped_steps_are_the_run_without_their_batches(cache_dir, fused, reque
     assert int(module._nonfinite.skipped_steps) == 2
     assert {int(state["step"]) for state in optimizer.state.values()} == {4}
     expected = dropping_the_poisoned_batches(module, fused)
+    for name, weight in module.model.state_dict().items():
+        torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_fused_adamw_clips_inside_its_step_as_clipping_first_does(cache_dir, fused_on_cpu):
+    """Fused AdamW divides the gradients by max(1, norm / clip) in its own update (no pass of its own to scale
+    them): the weights end where torch's clip_grad_norm_ and a plain AdamW take them, every step clipping."""
+    module = fit(cache_dir, set(), steps=4)
+    optimizer = module.trainer.optimizers[0]
+    assert optimizer.defaults["fused"] and min(module.grad_norms) > CLIP, "every step clips"
+    assert optimizer.grad_scale == pytest.approx(module.grad_norms[-1] / CLIP, rel=1e-5), "the last step's divisor"
+    expected = dropping_the_poisoned_batches(module, fused=False)
     for name, weight in module.model.state_dict().items():
         torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 

@@ -33,7 +33,8 @@ ZERO1_ALL_REDUCE = "zero1 --trainer.strategy.grad_reduce all_reduce"  # every ra
 RESUMED = ["bucketed_ddp", "zero1", "zero3", ZERO1_ALL_REDUCE]
 # RESUMED first, at the same positions in both lists: pytest keys a module-scoped parameter by its position, and
 # then runs each strategy's uninterrupted run once for both tests.
-STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp"]
+FUSED = "--trainer.callbacks+=tests.fused_adamw.FusedAdamWOnCPU"  # fused AdamW clips inside its step
+STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp", f"bucketed_ddp {FUSED}", f"zero3 {FUSED}"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def checkpoint(run_dir: Path, step: int) -> dict:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, scope="module")
-def test_two_processes_train_like_one_process_on_their_batches(uninterrupted):
+def test_two_processes_train_like_one_process_on_their_batches(strategy, uninterrupted):
     records = load_records(uninterrupted)
     assert len(records) == 2 and not torch.equal(records[0]["batches"][0], records[1]["batches"][0]), "ranks' data differ"
     reference = replay(records)
@@ -69,6 +70,7 @@ def test_two_processes_train_like_one_process_on_their_batches(uninterrupted):
         for record in records:  # each rank's replica, as it ended
             assert torch.equal(record["final"][name], saved["state_dict"][name]), name
     (optimizer_state,) = saved["optimizer_states"]
+    assert {group["fused"] for group in optimizer_state["param_groups"]} == {FUSED in strategy}
     expected = reference["optimizer"]
     assert optimizer_state["state"].keys() == expected["state"].keys()
     for index, state in expected["state"].items():

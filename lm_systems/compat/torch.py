@@ -58,6 +58,18 @@ def skip_step_on_device(optimizer: torch.optim.Optimizer, skip: torch.Tensor) ->
     optimizer.found_inf = skip.float()
 
 
+def scale_in_step(optimizer: torch.optim.Optimizer, divisor: Optional[torch.Tensor]) -> bool:
+    """Have the next ``step()`` of an optimizer that ``unscales_in_step`` divide every gradient by ``divisor`` (a
+    0-dim float tensor; None: by nothing) inside its own kernel, as GradScaler has it unscale (its ``grad_scale``).
+    False, with nothing set, where it cannot: another optimizer, or parameters of a tensor subclass (FSDP2's
+    DTensors), whose step would mix them with a plain tensor."""
+    params = [p for group in optimizer.param_groups for p in group["params"]][:1]
+    if not unscales_in_step(optimizer) or any(type(p.data) is not torch.Tensor for p in params):
+        return False
+    optimizer.grad_scale = divisor
+    return True
+
+
 def overflow_flags(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
     """The per-device overflow flags ``scaler.unscale_(optimizer)`` found (a flag may be replaced in the dict)."""
     return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]

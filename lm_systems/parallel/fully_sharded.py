@@ -208,26 +208,28 @@ class FullyShardedDataParallel(DataParallelModule):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every local gradient (shards and replicated) so the global norm is at most ``max_norm``;
-        returns the global norm before clipping (a collective; as torch FSDP's ``clip_grad_norm_``).
+        returns the global norm before clipping (a collective; as torch FSDP's ``clip_grad_norm_``)."""
+        total = self.grad_norm(norm_type)
+        shards = [p.shard for unit in self._units for p in unit.trainable]
+        torch.nn.utils.clip_grads_with_norm_(shards + self._replicated, max_norm, total)  # one multi-tensor scale
+        return total
 
-        The sharded gradients' norms are combined over ranks, padding rows excluded; replicated
-        gradients, equal on every rank after synchronisation, are counted once."""
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm of the gradients (a collective): the sharded gradients' norms combined over ranks,
+        padding rows excluded; replicated gradients, equal on every rank after synchronisation, counted once."""
         norm_type = float(norm_type)
-        held = [(p, unit.rank) for unit in self._units for p in unit.trainable if p.shard.grad is not None]
-        sharded = [p.valid_rows(p.shard.grad, rank) for p, rank in held]
+        sharded = [p.valid_rows(p.shard.grad, unit.rank) for unit in self._units for p in unit.trainable
+                   if p.shard.grad is not None]
         replicated = [p.grad for p in self._replicated if p.grad is not None]
         device = next(self.module.parameters()).device
         local = _total_norm(sharded, norm_type, device)
         if math.isinf(norm_type):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
-            total = torch.maximum(local, _total_norm(replicated, norm_type, device))
-        else:
-            local.pow_(norm_type)
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
-            total = (local + _total_norm(replicated, norm_type, device) ** norm_type) ** (1.0 / norm_type)
-        shards = [p.shard for p, _ in held]
-        torch.nn.utils.clip_grads_with_norm_(shards + self._replicated, max_norm, total)  # one multi-tensor scale
-        return total
+            return torch.maximum(local, _total_norm(replicated, norm_type, device))
+        local.pow_(norm_type)
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
+        return (local + _total_norm(replicated, norm_type, device) ** norm_type) ** (1.0 / norm_type)
 
     # -- full parameters and state -----------------------------------------------------------
 

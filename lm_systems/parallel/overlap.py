@@ -164,18 +164,24 @@ class OverlappedDDP(DataParallelModule):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the synchronised gradients to a global 2-norm of at most ``max_norm``; the norm before clipping.
-        After ``clip_only_owned`` (or ``reduce_to_owners``) each rank takes its own parameters' gradients: their
-        squared norms are summed over ranks (a collective), and only they are scaled."""
-        if self._clipped is None:
-            return torch.nn.utils.clip_grad_norm_(self._params, max_norm)
-        held = [p for p in self._clipped if p.grad is not None]
-        device = self._params[0].device
-        local = torch.nn.utils.get_total_norm([p.grad for p in held]) if held else torch.zeros((), device=device)
-        squared = local.float().square()
-        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.process_group)
-        total = squared.sqrt()
+        After ``clip_only_owned`` (or ``reduce_to_owners``) only this rank's own parameters' gradients are scaled."""
+        total = self.grad_norm()
+        held = [p for p in (self._params if self._clipped is None else self._clipped) if p.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(held, max_norm, total)  # scales each parameter's .grad
         return total
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the synchronised gradients. After ``clip_only_owned`` (or ``reduce_to_owners``) each
+        rank takes its own parameters' gradients and their squared norms are summed over ranks (a collective)."""
+        owned = self._clipped is not None
+        grads = [p.grad for p in (self._clipped if owned else self._params) if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self._params[0].device)
+        if not owned:
+            return local
+        squared = local.float().square()
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.process_group)
+        return squared.sqrt()
 
     def _settle_presence(self, anywhere: list[bool]) -> None:
         present = iter(anywhere)

@@ -71,6 +71,26 @@ def test_fused_adamw_unscales_in_step_and_skips_on_the_device():
     assert not torch.equal(param.detach(), torch.ones(3)), broken("fused AdamW's found_inf")
 
 
+def test_fused_adamw_divides_the_gradients_in_its_step_as_told():
+    """Two steps, the first with ``grad_scale`` 4: the update of the first gradient divided by 4 (Adam is blind to
+    a scale that every step shares, not to one that changes between steps)."""
+    def trained(grads: list[torch.Tensor], divisors: list) -> torch.Tensor:
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 5))
+        optimizer = torch.optim.AdamW([param], lr=0.1, weight_decay=0.5, fused=True)
+        for grad, divisor in zip(grads, divisors):
+            param.grad = grad.clone()
+            assert compat.scale_in_step(optimizer, divisor)
+            optimizer.step()
+        return param.detach()
+
+    grads = [torch.tensor([0.4, -2.0, 8.0, 0.0, 1.0]), torch.tensor([-1.0, 3.0, 0.5, 2.0, -4.0])]
+    divided = trained(grads, [torch.tensor(4.0), None])
+    torch.testing.assert_close(divided, trained([grads[0] / 4, grads[1]], [None, None]))
+    assert not torch.allclose(divided, trained(grads, [None, None])), broken("fused AdamW's grad_scale")
+    param = torch.nn.Parameter(torch.ones(2))
+    assert not compat.scale_in_step(torch.optim.AdamW([param], lr=0.1), torch.tensor(2.0))
+
+
 def test_overflow_flags_are_the_scalers_per_device_flags():
     param = torch.nn.Parameter(torch.ones(2))
     param.grad = torch.tensor([1.0, float("inf")])
