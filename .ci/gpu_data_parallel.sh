@@ -13,6 +13,9 @@
 #             1.07x asked) beside bucketed_ddp, one round
 #   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2
 #             (2 x H100, 2026-11-27: bucketed_ddp 96.3%, zero3 70.1% against 80% asked)
+#   train_step  on the first GPU alone, xl compiled through train.py against the plain PyTorch loop in one process
+#             (benchmarks.train): since 2026-11-27 train.py clips inside fused AdamW's update, the loop clips first
+#             (1.009-1.020x before, 2026-11-25; unmeasured since)
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
 #   .ci/gpu_data_parallel.sh scaling
@@ -58,8 +61,12 @@ for stage in "${STAGES[@]}"; do
     eager)
         scaling eager 512x4:eager 1 single bucketed_ddp ddp zero3 fsdp2
         ;;
+    train_step)
+        CUDA_VISIBLE_DEVICES=0 run train_step 570 python -m benchmarks.train --shapes 512x4 2048x1 --compile on \
+            --attention sdpa --rounds 6 --out-dir "$OUT/train_step"
+        ;;
     *)
-        echo "unknown stage $stage (tests, resumes, scaling, zero1, eager)"; exit 2
+        echo "unknown stage $stage (tests, resumes, scaling, zero1, eager, train_step)"; exit 2
         ;;
     esac
 done
