@@ -1,7 +1,7 @@
 """Files written whole or not at all: a temporary name beside the target, renamed over it once complete.
 
 The checkpoints, the data caches and the ``--help`` cache all write through here, so that a crash, a kill or a
-full disk mid-write never leaves a torn file that a later run would trust, and a Ctrl-C waits for the write to end.
+full disk mid-write never leaves a torn file that a later run would trust.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import threading
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,46 +27,17 @@ def atomic_write_path(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with ctrl_c_held():
-        try:
-            yield tmp
-            os.replace(tmp, path)
-        except (OSError, RuntimeError) as error:
-            cause = os_error_in(error)
-            if cause is None or cause.filename is not None:
-                raise
-            raise OSError(cause.errno, cause.strerror, str(path)) from error
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-
-
-@contextlib.contextmanager
-def ctrl_c_held() -> Iterator[None]:
-    """Hold a Ctrl-C that arrives in the block until the block has ended, then raise it; a second one raises at once.
-
-    ``torch.save`` turns a KeyboardInterrupt raised mid-write into a RuntimeError of its zip writer, which hid the
-    Ctrl-C (exit 1 and a traceback instead of 130) and lost the file being written. Held, the write completes and
-    the interrupt is raised after it. Only the main thread receives signals; elsewhere the block runs as it is.
-    """
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(previous):
-        yield
-        return
-    held = []
-
-    def hold(signum, frame):
-        if held:  # pressed again: the user means now
-            previous(signum, frame)
-        held.append((signum, frame))
-
-    signal.signal(signal.SIGINT, hold)
     try:
-        yield
+        yield tmp
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:
+        cause = os_error_in(error)
+        if cause is None or cause.filename is not None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from error
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        previous(*held[0])
+        if tmp.exists():
+            tmp.unlink()
 
 
 def write_json_atomic(path: str | os.PathLike, value: Any) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import zipfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -18,9 +21,10 @@ from lm_systems.compat.lightning import is_local_path
 class SafeCheckpointIO(TorchCheckpointIO):
     """TorchCheckpointIO that writes to a temporary name, then renames.
 
-    A kill at any moment leaves either the previous file or the new one, whole. Lightning's own writer
-    serialises the whole checkpoint into memory first and moves it out of the system temp folder (a copy
-    when that is another filesystem); this one streams ``torch.save`` into the target folder.
+    A kill at any moment leaves either the previous file or the new one, whole; a Ctrl-C waits for the write to
+    end (``ctrl_c_held``). Lightning's own writer serialises the whole checkpoint into memory first and moves it
+    out of the system temp folder (a copy when that is another filesystem); this one streams ``torch.save`` into
+    the target folder.
     """
 
     @override
@@ -30,10 +34,38 @@ class SafeCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not is_local_path(path):
             super().save_checkpoint(checkpoint, path, storage_options)  # remote stores: Lightning's transaction
             return
-        with atomic_write_path(path) as tmp, open(tmp, "wb") as file:
+        with ctrl_c_held(), atomic_write_path(path) as tmp, open(tmp, "wb") as file:
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
+
+
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives in the block until the block has ended, then raise it; a second one raises at once.
+
+    ``torch.save`` turns a KeyboardInterrupt raised mid-write into a RuntimeError of its zip writer, which hid the
+    Ctrl-C (exit 1 and a traceback instead of 130) and lost the checkpoint being written. Held, the write completes
+    and the interrupt is raised after it. Only the main thread receives signals; elsewhere the block runs as it is.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    held = []
+
+    def hold(signum, frame):
+        if held:  # pressed again: the user means now
+            previous(signum, frame)
+        held.append((signum, frame))
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        previous(*held[0])
 
 
 def require_checkpoint_file(path: str | Path, flag: str) -> Path:
