@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import _foreach_copy_ as foreach_copy_  # noqa: F401  the fused per-list ops have no public name
 from torch import _foreach_div_ as foreach_div_  # noqa: F401
 from torch import _foreach_norm as foreach_norm  # noqa: F401
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401  torch has no public pytree
+from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401  torch has no public pytree
 
 
 def set_module_parameter(module: torch.nn.Module, name: str, value: Optional[torch.Tensor]) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lm_systems.compat.torch import (compiled_whole, foreach_norm, queue_end_of_backward, set_module_parameter,
-                                     tree_flatten, tree_map, tree_unflatten)
+                                     tree_flatten, tree_unflatten)
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.collectives import GradPresence
 from lm_systems.parallel.sharded_unit import PendingReduction, ShardedParam, ShardedUnit, shard_rows
@@ -120,11 +120,12 @@ class FullyShardedDataParallel(DataParallelModule):
             predicted = self._predicted
             if position + 1 < len(predicted) and predicted[: position + 1] == self._forward_order:
                 predicted[position + 1].start_gather()
+            leaves, spec = tree_flatten((args, kwargs))
             if self.compute_dtype is not None:
-                args, kwargs = tree_map(self._cast_input, (args, kwargs))
+                leaves = [self._cast_input(leaf) for leaf in leaves]
             if torch.is_grad_enabled():
-                args, kwargs = self._mark_post_backward(unit, args, kwargs)
-            return args, kwargs
+                self._mark_post_backward(unit, leaves)
+            return tree_unflatten(leaves, spec)
 
         return hook
 
@@ -133,14 +134,13 @@ class FullyShardedDataParallel(DataParallelModule):
             return value.to(self.compute_dtype)
         return value
 
-    def _mark_post_backward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        leaves, spec = tree_flatten((args, kwargs))
+    def _mark_post_backward(self, unit: ShardedUnit, leaves: list) -> None:
+        """Route the unit's inputs that need gradients (``leaves``, replaced in place) through ``_PostBackward``."""
         needing = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if needing:
             marked = _PostBackward.apply(lambda: self._post_backward(unit), *(leaves[i] for i in needing))
             for i, tensor in zip(needing, marked):
                 leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
 
     def _post_forward_hook(self, unit: ShardedUnit):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
