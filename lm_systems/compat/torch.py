@@ -63,8 +63,8 @@ def scale_in_step(optimizer: torch.optim.Optimizer, divisor: Optional[torch.Tens
     0-dim float tensor; None: by nothing) inside its own kernel, as GradScaler has it unscale (its ``grad_scale``).
     False, with nothing set, where it cannot: another optimizer, or parameters of a tensor subclass (FSDP2's
     DTensors), whose step would mix them with a plain tensor."""
-    params = [p for group in optimizer.param_groups for p in group["params"]][:1]
-    if not unscales_in_step(optimizer) or any(type(p.data) is not torch.Tensor for p in params):
+    first = next((p for group in optimizer.param_groups for p in group["params"]), None)  # every step: no list
+    if not unscales_in_step(optimizer) or (first is not None and type(first.data) is not torch.Tensor):
         return False
     optimizer.grad_scale = divisor
     return True

@@ -166,8 +166,8 @@ class OverlappedDDP(DataParallelModule):
         """Scale the synchronised gradients to a global 2-norm of at most ``max_norm``; the norm before clipping.
         After ``clip_only_owned`` (or ``reduce_to_owners``) only this rank's own parameters' gradients are scaled."""
         total = self.grad_norm()
-        held = [p for p in (self._params if self._clipped is None else self._clipped) if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(held, max_norm, total)  # scales each parameter's .grad
+        clipped = self._params if self._clipped is None else self._clipped
+        torch.nn.utils.clip_grads_with_norm_(clipped, max_norm, total)  # scales each .grad there is
         return total
 
     @torch.no_grad()
