@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # Issue 30's data-parallel work on two CUDA GPUs of one host (torch 2.11; each stage fits one 10-minute call):
-#   tests     python train.py --devices 2: SIGTERM stops both ranks under bucketed_ddp and zero3 (passed over NCCL on
-#             2 x H100, 2026-11-27), zero3 and zero1 against torch DDP in bf16-mixed, zero1 in 16-mixed (reducing to
-#             owners under torch's ShardedGradScaler, its default since 2026-11-27: passed on 2 x H100), zero1's
-#             runs of the strategies' GPU tests, and the gpu-marked compat tests (NCCL's grouped launch of reduces)
+#   tests     python train.py --devices 2: SIGTERM stops both ranks under bucketed_ddp and zero3; bucketed_ddp, zero3
+#             and zero1 against torch DDP in bf16-mixed (clipping inside fused AdamW's update: zero3's passed over NCCL
+#             on 2 x H100, 2026-11-27; bucketed_ddp's not yet run there), zero1 in 16-mixed (reducing to owners under
+#             torch's ShardedGradScaler: passed on 2 x H100), zero1's runs of the strategies' GPU tests, and the
+#             gpu-marked compat tests (NCCL's grouped launch of reduces)
 #   resumes   the zero1 and zero3 two-GPU resumes (passed 2026-11-26)
-#   scaling   xl compiled at 1024 x 8 per GPU through train.py, two rounds: one GPU, bucketed_ddp at its default
-#             (1000 MB buckets: 93.6-94.2% scaling on 2 x H100; 95% asked) and with its last buckets tapering to
-#             250 MB (last_bucket_mb, since 2026-11-27: less left to average after backward; unmeasured),
-#             interleaved (results are written after every visit)
+#   scaling   xl compiled at 1024 x 8 per GPU through train.py, two rounds, interleaved (results are written after
+#             every visit): one GPU and bucketed_ddp at its default (1000 MB buckets: 93.6-94.2% scaling on 2 x H100
+#             in four calls; 95% asked)
 #   zero1     the same for zero1 at its default (reducing to owners: 1.055-1.063x one GPU on 2 x H100, 2026-11-27;
 #             1.07x asked) beside bucketed_ddp, one round
 #   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2
-#             (2 x H100, 2026-11-27: bucketed_ddp 96.3%, zero3 70.1% against 80% asked)
+#             (2 x H100, 2026-11-27: zero3 59.9-70.1% against 80% asked; single visits drift with the host: one GPU
+#             read 153 and 173 ms four minutes apart)
 #   train_step  on the first GPU alone, xl compiled through train.py against the plain PyTorch loop in one process
-#             (benchmarks.train): since 2026-11-27 train.py clips inside fused AdamW's update, the loop clips first
-#             (1.009-1.020x before, 2026-11-25; unmeasured since)
+#             (benchmarks.train): train.py clips inside fused AdamW's update, the loop clips first (0.974-0.992x
+#             on an H100, 2026-11-27; 1.009-1.020x before the fold)
 #
 #   .ci/gpu_data_parallel.sh tests        # one stage a call
 #   .ci/gpu_data_parallel.sh scaling
@@ -42,7 +43,7 @@ for stage in "${STAGES[@]}"; do
     case $stage in
     tests)
         run train_py_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py \
-            -k "sigterm or zero3-bf16-mixed or zero1-bf16-mixed or zero1-16-mixed" \
+            -k "sigterm or bucketed_ddp-bf16-mixed or zero3-bf16-mixed or zero1-bf16-mixed or zero1-16-mixed" \
             --junitxml="$OUT/train_py_2gpu.xml"
         run strategies_zero1 200 python -m pytest -q -p no:cacheprovider tests/strategies/test_strategies_gpu.py -k zero1 \
             --junitxml="$OUT/strategies_zero1.xml"
@@ -53,7 +54,7 @@ for stage in "${STAGES[@]}"; do
             -k "resume and (zero1 or zero3)" --junitxml="$OUT/resumes_2gpu.xml"
         ;;
     scaling)
-        scaling scaling 1024x8:compiled 2 single bucketed_ddp bucketed_ddp+last_bucket_mb=250
+        scaling scaling 1024x8:compiled 2 single bucketed_ddp
         ;;
     zero1)
         scaling zero1 1024x8:compiled 1 single zero1 bucketed_ddp

@@ -192,25 +192,18 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
 
     ``bucket_size_mb`` None (the default) picks by the hosts: 1000 MB on one host, 25 MB across hosts (see
     ``lm_systems.parallel.default_bucket_size_mb``). ``.inf`` (YAML's infinity, on the command line too) asks
-    for one bucket, averaged once backward has ended. ``last_bucket_mb`` tapers the buckets that fill last (the
-    last at most that, the one before twice that, up to the cap), so that little is left to average once backward
-    ends; None (the default): no taper.
+    for one bucket, averaged once backward has ended.
     """
 
     strategy_name = "bucketed_ddp"
     strategy_description = "BucketedDDP: bucketed all-reduce overlapped with backward"
 
-    def __init__(self, bucket_size_mb: Optional[float] = None, last_bucket_mb: Optional[float] = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, bucket_size_mb: Optional[float] = None, **kwargs: Any) -> None:
         if bucket_size_mb is not None and not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive (or None to pick by the hosts), got {bucket_size_mb} "
                              "(strategy init_args.bucket_size_mb)")
-        if last_bucket_mb is not None and not last_bucket_mb > 0:
-            raise ValueError(f"last_bucket_mb must be positive (or None: no taper), got {last_bucket_mb} "
-                             "(strategy init_args.last_bucket_mb)")
         super().__init__(**kwargs)
         self._bucket_size_mb = bucket_size_mb
-        self._last_bucket_mb = last_bucket_mb
 
     @property
     def bucket_size_mb(self) -> float:
@@ -220,12 +213,9 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
         cap = self.bucket_size_mb
-        wrapped = BucketedDDP(module, bucket_size_mb=cap, launch_thread=self._launch_thread,
-                              last_bucket_mb=self._last_bucket_mb, **comm)
-        plan = ("in one bucket, once backward has ended" if math.isinf(cap) and self._last_bucket_mb is None
+        wrapped = BucketedDDP(module, bucket_size_mb=cap, launch_thread=self._launch_thread, **comm)
+        plan = ("in one bucket, once backward has ended" if math.isinf(cap)
                 else f"in {len(wrapped.buckets)} bucket(s) of at most {cap:g} MB, each launched once filled")
-        if self._last_bucket_mb is not None and self._last_bucket_mb < cap:
-            plan += f", the last ones tapering to {self._last_bucket_mb:g} MB"
         chosen = " (the default; set bucket_size_mb to change)" if self._bucket_size_mb is None else ""
         rank_zero_info(f"{self.strategy_name}: gradients averaged {plan}{chosen}")
         return wrapped

@@ -21,8 +21,7 @@ def default_bucket_size_mb(hosts: int) -> float:
     return ACROSS_HOSTS_BUCKET_MB if hosts > 1 else ONE_HOST_BUCKET_MB
 
 
-def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float,
-                   last_bucket_mb: float | None = None) -> list[list[nn.Parameter]]:
+def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
     """Group ``params`` (in the order their gradients arrive) into buckets of at most ``bucket_size_mb`` of
     one device and dtype, listed in the order they fill up.
 
@@ -30,41 +29,15 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float,
     filled stays open across it, so the small parameters around large ones (norm weights beside a
     layer's matrices) share buckets instead of each closing one early. For an xl model at 25 MB this
     makes ~220 all-reduces per step instead of 291: each costs the launching thread about 14 CUDA calls.
-
-    With ``last_bucket_mb`` the buckets that fill last taper: the last holds at most ``last_bucket_mb``, the one
-    before it twice that, and so on up to the cap. What is left to average once backward ends is then one small
-    bucket, and each tapered bucket's all-reduce has the backward that fills the next (twice its bytes) to run beside.
     """
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    if last_bucket_mb is None or last_bucket_mb >= bucket_size_mb:
-        return _fill_buckets(params, bucket_size_mb * MiB)
-    if last_bucket_mb <= 0:
-        raise ValueError(f"last_bucket_mb must be positive (or None: no taper), got {last_bucket_mb}")
-    tail: list[list[nn.Parameter]] = []
-    end, cap_mb = len(params), last_bucket_mb
-    while end > 0 and cap_mb < bucket_size_mb:
-        start, size = end, 0
-        while start > 0 and size + _nbytes(params[start - 1]) <= cap_mb * MiB:
-            start -= 1
-            size += _nbytes(params[start])
-        start = min(start, end - 1)  # a parameter above this cap: a bucket of its own
-        tail = _fill_buckets(params[start:end], cap_mb * MiB) + tail
-        end, cap_mb = start, 2 * cap_mb
-    return _fill_buckets(params[:end], bucket_size_mb * MiB) + tail
-
-
-def _nbytes(param: nn.Parameter) -> int:
-    return param.numel() * param.element_size()
-
-
-def _fill_buckets(params: list[nn.Parameter], cap: float) -> list[list[nn.Parameter]]:
-    """assign_buckets' plan at one cap (in bytes)."""
+    cap = bucket_size_mb * MiB
     full: list[tuple[int, list[nn.Parameter]]] = []  # (position of the bucket's last parameter, bucket)
     filling: list[nn.Parameter] = []
     size, last = 0, 0
     for position, p in enumerate(params):
-        nbytes = _nbytes(p)
+        nbytes = p.numel() * p.element_size()
         if nbytes > cap:
             full.append((position, [p]))
             continue
@@ -80,8 +53,7 @@ def _fill_buckets(params: list[nn.Parameter], cap: float) -> list[list[nn.Parame
 
 
 class BucketedDDP(OverlappedDDP):
-    """Buckets of gradients, in reverse parameter order, each at most ``bucket_size_mb`` (the last ones tapering to
-    ``last_bucket_mb`` if given: ``assign_buckets``), averaged asynchronously.
+    """Buckets of gradients, in reverse parameter order, each at most ``bucket_size_mb``, averaged asynchronously.
 
     A bucket's all-reduce starts once autograd has accumulated every gradient in it, and averages
     autograd's own gradient tensors in place: one coalesced collective per bucket (NCCL groups its
@@ -94,11 +66,10 @@ class BucketedDDP(OverlappedDDP):
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False,
-                 last_bucket_mb: float | None = None) -> None:
+                 grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
-        buckets = assign_buckets(list(reversed(params)), bucket_size_mb, last_bucket_mb)
-        super().__init__(module, buckets, process_group, grad_comm_dtype, launch_thread)
+        super().__init__(module, assign_buckets(list(reversed(params)), bucket_size_mb), process_group, grad_comm_dtype,
+                         launch_thread)
         self.bucket_size_mb = bucket_size_mb
 
     @property

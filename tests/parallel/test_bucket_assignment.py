@@ -63,31 +63,3 @@ def test_one_bucket_takes_every_gradient_of_a_kind_once_backward_ends():
     order = params(0.1, 300, 2, 40, 0.5)
     buckets = assign_buckets(order, math.inf)
     assert [[id(p) for p in b] for b in buckets] == [[id(p) for p in order]]
-
-
-def test_the_last_buckets_taper_to_last_bucket_mb_doubling_up_to_the_cap():
-    # 48 layers of 41 parameters' worth in backward order, 4 MB a layer, then a 1.5 MB embedding: xl's shape, scaled.
-    order = [p for _ in range(48) for p in params(1, 1, 1, 0.5, 0.49, 0.01)] + params(1.5)
-    buckets = assign_buckets(order, 40, last_bucket_mb=5)
-    check_plan(order, buckets, 40)
-    sizes = [nbytes(b) / MiB for b in buckets]
-    assert sizes[-1] <= 5 and sizes[-2] <= 10 and sizes[-3] <= 20
-    assert sizes[-1] + sizes[-2] > 5 and sizes[-2] + sizes[-3] > 10, "each tapered bucket as full as its cap allows"
-    assert max(sizes[:-3]) <= 40 and sizes[-4] > 20
-    untapered = assign_buckets(order, 40)
-    assert nbytes(untapered[-1]) / MiB > 5, "without the taper the last bucket is whatever is left over"
-
-
-def test_a_parameter_above_a_tapered_cap_gets_a_bucket_of_its_own():
-    order = params(8, 8, 8, 6, 1)
-    buckets = assign_buckets(order, 100, last_bucket_mb=2)
-    check_plan(order, buckets, 100)
-    # Caps from the end: 2 MB (the 1 MB), 4 (the 6 MB above it, alone), 8 (one 8 MB), 16 (two).
-    assert [round(nbytes(b) / MiB) for b in buckets] == [16, 8, 6, 1]
-
-
-def test_a_taper_at_or_above_the_cap_changes_nothing_and_one_not_positive_is_refused():
-    order = params(*([3.0] * 10))
-    assert assign_buckets(order, 10, last_bucket_mb=10) == assign_buckets(order, 10)
-    with pytest.raises(ValueError, match="last_bucket_mb"):
-        assign_buckets(order, 10, last_bucket_mb=0)
