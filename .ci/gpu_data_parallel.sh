@@ -11,9 +11,12 @@
 #             in four calls; 95% asked)
 #   zero1     the same for zero1 at its default (reducing to owners: 1.055-1.063x one GPU on 2 x H100, 2026-11-27;
 #             1.07x asked) beside bucketed_ddp, one round
-#   eager     the same at 512 x 4, eager: one GPU, bucketed_ddp at its default (1000 MB), torch DDP, zero3, fsdp2
-#             (2 x H100, 2026-11-27: zero3 59.9-70.1% against 80% asked; single visits drift with the host: one GPU
-#             read 153 and 173 ms four minutes apart)
+#   eager     the same at 512 x 4, eager, two rounds: one GPU, bucketed_ddp at its default (1000 MB), zero3, fsdp2
+#             (2 x H100, 2026-11-27, one visit each: zero3 59.9-70.1% against 80% asked; single visits drift with
+#             the host, one GPU read 153 and 173 ms four minutes apart, so each scaling takes its own round's)
+#   trace     eager 512 x 4, one GPU, zero3 and bucketed_ddp, each followed by two steps traced on every rank: where
+#             zero3's eager step goes (GPU compute, NCCL exposed, GPU idle while the host launches, host waits), the
+#             measurement that divides its gap between host and link (scaling's --trace-steps; not yet run)
 #   train_step  on the first GPU alone, xl compiled through train.py against the plain PyTorch loop in one process
 #             (benchmarks.train): train.py clips inside fused AdamW's update, the loop clips first (0.974-0.992x
 #             on an H100, 2026-11-27; 1.009-1.020x before the fold)
@@ -33,10 +36,11 @@ source .ci/gpu_stages.sh  # the wheels the GPU image lacks; run STAGE SECONDS CO
 python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.device_count(), \
 'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 
-scaling() {  # scaling NAME CONFIG ROUNDS SETUPS...
+scaling() {  # scaling NAME CONFIG ROUNDS SETUPS... (TRACE_STEPS=N in the environment: trace N steps after each visit)
     local name=$1 config=$2 rounds=$3; shift 3
     run "$name" 560 python -m benchmarks.scaling --devices 2 --size xl --configs "$config" --attention sdpa \
-        --setups "$@" --rounds "$rounds" --warmup 8 --steps 5 --segments 2 --run-timeout 200 --out-dir "$OUT/$name"
+        --setups "$@" --rounds "$rounds" --warmup 8 --steps 5 --segments 2 --run-timeout 200 --out-dir "$OUT/$name" \
+        --trace-steps "${TRACE_STEPS:-0}"
 }
 
 for stage in "${STAGES[@]}"; do
@@ -60,14 +64,17 @@ for stage in "${STAGES[@]}"; do
         scaling zero1 1024x8:compiled 1 single zero1 bucketed_ddp
         ;;
     eager)
-        scaling eager 512x4:eager 1 single bucketed_ddp ddp zero3 fsdp2
+        scaling eager 512x4:eager 2 single bucketed_ddp zero3 fsdp2
+        ;;
+    trace)
+        TRACE_STEPS=2 scaling trace 512x4:eager 1 single zero3 bucketed_ddp
         ;;
     train_step)
         CUDA_VISIBLE_DEVICES=0 run train_step 570 python -m benchmarks.train --shapes 512x4 2048x1 --compile on \
             --attention sdpa --rounds 6 --out-dir "$OUT/train_step"
         ;;
     *)
-        echo "unknown stage $stage (tests, resumes, scaling, zero1, eager, train_step)"; exit 2
+        echo "unknown stage $stage (tests, resumes, scaling, zero1, eager, trace, train_step)"; exit 2
         ;;
     esac
 done

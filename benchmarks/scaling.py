@@ -17,6 +17,10 @@ name with an optional bucket size, init args and environment variables:
     single+--model.attention=flash_triton   (with --devices 1 --baseline SPEC: one GPU, two train.py flags compared)
     fsdp2                   torch FSDP2 (fully_shard per block, bf16 parameters, fp32 gradient reduction)
 
+With ``--trace-steps N``, each visit then traces N more steps on every rank (torch.profiler, the device's activity)
+and ``NAME_timeline`` says where their time went: GPU compute, NCCL (exposed or beside compute), the GPU idle, the
+host waiting for it (``benchmarks.gpu_timeline``).
+
 Configurations (``--configs``): ``CONTEXTxBATCH:compiled`` or ``:eager``, the batch per GPU. Rounds visit
 every configuration's setups in turn, ``single`` first, so a scaling is taken against the one-GPU step of
 the same round (the lent GPUs' speed drifts by tens of percent within minutes). The table is rewritten
@@ -25,6 +29,7 @@ after every run, so a call cut short keeps what it measured.
     python -m benchmarks.scaling --devices 2                                    # xl, the issue's two configs
     python -m benchmarks.scaling --configs 1024x8:compiled --setups single ddp:25 bucketed_ddp zero1
     python -m benchmarks.scaling --size tiny --configs 32x4:eager --accelerator cpu --warmup 2 --steps 2  # CPU
+    python -m benchmarks.scaling --configs 512x4:eager --setups single zero3 --trace-steps 2   # host or link?
     python -m benchmarks.scaling --devices 1 --size medium --configs 8192x2:compiled --name long_context \
         --setups single+--model.attention=sdpa single+--model.attention=flash_triton \
         --baseline single+--model.attention=sdpa --rounds 3       # long context: flash_triton against sdpa
@@ -51,6 +56,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from benchmarks import gpu_timeline
 from benchmarks.report import argument_parser, write_results
 from lm_systems.config import MODEL_SIZES
 
@@ -67,21 +73,32 @@ STRATEGY_CLASSES = {
 BUCKET_ARGS = {"ddp": "bucket_cap_mb", "bucketed_ddp": "bucket_size_mb", "zero1": "bucket_size_mb"}
 # One optimisation recipe for every setup.
 LR, WARMUP_STEPS, CLIP = 3e-4, 5, 1.0
+TIMELINE_NOTES = ("--trace-steps steps after the timed segments, traced by torch.profiler (device activity) on "
+                  "each rank, per step: benchmarks/gpu_timeline.py says what each column counts.")
 
 
 class WindowTimer(Callback):
     """Times ``segments`` segments of ``steps`` optimizer steps after ``warmup`` untimed ones, synchronising the
     device only at segment boundaries; writes ``rank{r}.json`` (segment milliseconds per step, peak GiB) to
-    ``out_dir``."""
+    ``out_dir``. With ``trace_steps``, torch.profiler then records that many more steps (the device's activity:
+    kernels, copies and the CUDA runtime's calls) into ``trace_rank{r}.json``, outside the timed segments."""
 
-    def __init__(self, out_dir: str, warmup: int, steps: int, segments: int) -> None:
+    def __init__(self, out_dir: str, warmup: int, steps: int, segments: int, trace_steps: int = 0) -> None:
         super().__init__()
         self._out_dir, self._warmup, self._steps, self._segments = Path(out_dir), warmup, steps, segments
+        self._trace_steps = trace_steps
         self._segment_ms: list[float] = []
         self._started = 0.0
+        self._profiler: torch.profiler.profile | None = None
+        self._traced = False
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._time(trainer)
+        if self._trace_steps:
+            self._trace(trainer)
+
+    def _time(self, trainer: L.Trainer) -> None:
         step = trainer.global_step
         if step < self._warmup or (step - self._warmup) % self._steps or len(self._segment_ms) == self._segments:
             return
@@ -97,6 +114,27 @@ class WindowTimer(Callback):
             if len(self._segment_ms) == self._segments:
                 self._write(trainer, device)
         self._started = time.perf_counter()
+
+    def _trace(self, trainer: L.Trainer) -> None:
+        """Start the profiler where the timed segments end and stop it ``trace_steps`` steps later, the device
+        synchronised at both ends so that the trace spans whole steps."""
+        start = self._warmup + self._steps * self._segments
+        step, device = trainer.global_step, trainer.strategy.root_device
+        starting = self._profiler is None and step == start and not self._traced
+        stopping = self._profiler is not None and step == start + self._trace_steps
+        if not (starting or stopping):
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if starting:
+            activity = torch.profiler.ProfilerActivity
+            self._profiler = torch.profiler.profile(activities=[activity.CUDA if device.type == "cuda" else activity.CPU])
+            self._profiler.start()
+            return
+        self._profiler.stop()
+        self._out_dir.mkdir(parents=True, exist_ok=True)
+        self._profiler.export_chrome_trace(str(self._out_dir / f"trace_rank{trainer.global_rank}.json"))
+        self._profiler, self._traced = None, True
 
     def _write(self, trainer: L.Trainer, device: torch.device) -> None:
         peak = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else float("nan")
@@ -180,6 +218,7 @@ class Run:
     round: int
     segment_ms: list[float] = field(default_factory=list)
     peak_GiB: list[float] = field(default_factory=list)
+    timeline: list[dict[str, float]] = field(default_factory=list)  # per rank, with --trace-steps
     error: str = ""
 
     @property
@@ -191,7 +230,7 @@ def train_py_command(config: Config, setup: Setup, args: argparse.Namespace, wor
     """The user's command line for ``setup`` with the timer added (checkpoints, validation and sampling off)."""
     timer = {"class_path": "benchmarks.scaling.WindowTimer",
              "init_args": {"out_dir": str(timer_dir), "warmup": args.warmup, "steps": args.steps,
-                           "segments": args.segments}}
+                           "segments": args.segments, "trace_steps": args.trace_steps}}
     return [
         sys.executable, str(REPO / "train.py"),
         "--accelerator", args.accelerator, "--precision", args.precision,
@@ -199,7 +238,7 @@ def train_py_command(config: Config, setup: Setup, args: argparse.Namespace, wor
         "--model.attention", args.attention, "--model.compile", str(config.compile).lower(),
         "--model.lr", str(LR), "--model.warmup_steps", str(WARMUP_STEPS), "--model.sample_prompt", "",
         "--data.batch_size", str(config.batch_size),
-        "--max_steps", str(args.warmup + args.steps * args.segments),
+        "--max_steps", str(args.warmup + args.steps * args.segments + args.trace_steps),
         "--trainer.gradient_clip_val", str(CLIP), "--trainer.limit_val_batches", "0",
         "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.logger.init_args.save_dir", str(workdir / "logs"),
@@ -242,6 +281,8 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
         return run
     run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records))]
     run.peak_GiB = [r["peak_GiB"] for r in sorted(records, key=lambda r: r["rank"])]
+    traces = sorted(timer_dir.glob("trace_rank*.json"), key=lambda path: int(path.stem.removeprefix("trace_rank")))
+    run.timeline = [gpu_timeline.summarize_file(path, args.trace_steps) for path in traces]
     return run
 
 
@@ -292,6 +333,13 @@ def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
 
 COLUMNS = ["config", "setup", "devices", "rounds", "ms_per_step", "min_ms", "max_ms", "tokens_per_s", "scaling",
            "over_baseline", "peak_GiB_per_rank", "error"]
+TIMELINE_COLUMNS = ["config", "setup", "round", "rank", *gpu_timeline.COLUMNS]
+
+
+def timeline_rows(runs: list[Run]) -> list[dict]:
+    """Per visit and rank, where its traced steps' time went (``benchmarks.gpu_timeline``)."""
+    return [{"config": run.config.label, "setup": run.setup.spec, "round": run.round + 1, "rank": rank, **summary}
+            for run in runs for rank, summary in enumerate(run.timeline)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -315,6 +363,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per timed segment")
     parser.add_argument("--segments", type=int, default=3, help="timed segments per visit")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a visit is stopped")
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="after the timed segments, trace this many steps per rank with torch.profiler and "
+                             "write where their time went (NAME_timeline: GPU compute, NCCL, idle, host waits)")
     parser.add_argument("--name", default="scaling", help="results file name (without extension)")
     parser.add_argument("--train-py-flags", type=shlex.split, default=[],
                         help="more train.py flags for every setup, in one string")
@@ -324,6 +375,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     # The one-GPU step first in every round: each scaling is taken against the same round's.
     args.setups = sorted(dict.fromkeys(args.setups), key=lambda s: s.spec != "single")
+    if args.trace_steps < 0:
+        parser.error(f"--trace-steps must be 0 (no trace) or more, got {args.trace_steps}")
     if args.baseline and args.baseline not in [s.spec for s in args.setups]:
         parser.error(f"--baseline {args.baseline!r} is not one of the --setups")
     return args
@@ -351,6 +404,10 @@ def main(argv: list[str] | None = None) -> None:
                     runs.append(run)
                     write_results(args.name, rows(runs, args), "Data-parallel scaling through train.py",
                                   notes=notes, columns=COLUMNS, out_dir=args.out_dir)
+                    if run.timeline:
+                        write_results(f"{args.name}_timeline", timeline_rows(runs),
+                                      "Where the traced steps' time went, per rank", notes=TIMELINE_NOTES,
+                                      columns=TIMELINE_COLUMNS, out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

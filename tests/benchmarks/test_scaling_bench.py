@@ -61,7 +61,7 @@ def test_cpu_run_through_train_py_fills_the_table(tmp_path):
     out = tmp_path / "out"
     bench.main(["--size", "tiny", "--configs", "16x2:eager", "--accelerator", "cpu", "--precision", "32-true",
                 "--setups", "single", "bucketed_ddp:1", "zero3+compute_dtype=bf16", "--warmup", "1", "--steps", "2",
-                "--segments", "2", "--out-dir", str(out),
+                "--segments", "2", "--trace-steps", "1", "--out-dir", str(out),
                 "--train-py-flags", f"--data.cache_dir {tmp_path / 'data'} --data.generated_stories 300 "
                                     "--data.vocab_size 300"])
     rows = {row["setup"]: row for row in csv.DictReader((out / "scaling.csv").open())}
@@ -72,6 +72,13 @@ def test_cpu_run_through_train_py_fills_the_table(tmp_path):
     assert bucketed["devices"] == "2"
     assert float(bucketed["scaling"]) == pytest.approx(float(rows["single"]["ms_per_step"]) /
                                                        float(bucketed["ms_per_step"]), rel=1e-3)
+    # One traced step after the timed ones, on every rank: its window is read (no GPU here: its columns say nan).
+    traced = [(row["setup"], row["rank"], row) for row in csv.DictReader((out / "scaling_timeline.csv").open())]
+    assert sorted((setup, rank) for setup, rank, _ in traced) == [
+        ("bucketed_ddp:1", "0"), ("bucketed_ddp:1", "1"), ("single", "0"),
+        ("zero3+compute_dtype=bf16", "0"), ("zero3+compute_dtype=bf16", "1")]
+    for _, _, row in traced:
+        assert float(row["traced_ms_per_step"]) > 0 and row["gpu_idle_ms"] == "nan"
 
 
 @pytest.mark.slow
