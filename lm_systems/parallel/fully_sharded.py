@@ -120,12 +120,13 @@ class FullyShardedDataParallel(DataParallelModule):
             predicted = self._predicted
             if position + 1 < len(predicted) and predicted[: position + 1] == self._forward_order:
                 predicted[position + 1].start_gather()
-            leaves, spec = tree_flatten((args, kwargs))
+            plain = not kwargs and all(isinstance(arg, torch.Tensor) for arg in args)  # a block's call: no pytree
+            leaves, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
             if self.compute_dtype is not None:
                 leaves = [self._cast_input(leaf) for leaf in leaves]
             if torch.is_grad_enabled():
                 self._mark_post_backward(unit, leaves)
-            return tree_unflatten(leaves, spec)
+            return (tuple(leaves), kwargs) if plain else tree_unflatten(leaves, spec)
 
         return hook
 
@@ -147,7 +148,8 @@ class FullyShardedDataParallel(DataParallelModule):
             unit.free()
             if not torch.is_grad_enabled():
                 return
-            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            leaves = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            outputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             for tensor in outputs:
                 tensor.register_hook(lambda grad: self._pre_backward(unit))
             if outputs:

@@ -195,3 +195,44 @@ def test_optimizer_groups_see_the_shards_as_they_saw_the_parameters(single_rank_
     names = {id(p): n for n, p in wrapped.module.named_parameters()}
     assert [[names[id(p)] for p in group["params"]] for group in adamw_param_groups(wrapped.module, 0.1)] == before
     assert len(wrapped._units) == 2 + 2  # the blocks, the embedding and the LM head
+
+
+class KeywordUnit(torch.nn.Module):
+    """A unit called with a keyword tensor and a plain number, returning a dict: the hooks' general path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.seen: list = []
+
+    def forward(self, x: torch.Tensor, *, scale: float, mask: torch.Tensor) -> dict:
+        self.seen.append((x.dtype, type(scale), mask.dtype))
+        return {"out": self.linear(x) * scale * mask}
+
+
+class KeywordToy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = torch.nn.Linear(4, 4)  # outside the unit: the unit's input needs a gradient
+        self.unit = KeywordUnit()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (torch.arange(4) % 2).float()
+        return self.unit(self.pre(x), scale=2.0, mask=mask)["out"].square().sum()
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
+def test_a_unit_called_with_keywords_casts_its_tensors_and_reduces_its_gradients(single_rank_group, compute_dtype):
+    reference, wrapped = KeywordToy(), FullyShardedDataParallel(KeywordToy(), compute_dtype=compute_dtype,
+                                                                unit_types=(KeywordUnit,))
+    x = torch.randn(3, 4)
+    reference(x).backward()
+    wrapped(x).backward()
+    wrapped.finish_gradient_synchronization()
+    dtype = compute_dtype or torch.float32
+    assert wrapped.module.unit.seen == [(dtype, float, dtype)]
+    tolerance = 0 if compute_dtype is None else 0.05
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(wrapped.module.get_parameter(name).grad, param.grad, atol=tolerance,
+                                   rtol=tolerance, msg=lambda m: f"{name}: {m}")
