@@ -17,6 +17,9 @@
 #   trace     eager 512 x 4, one GPU, zero3 and bucketed_ddp, each followed by two steps traced on every rank: where
 #             zero3's eager step goes (GPU compute, NCCL exposed, GPU idle while the host launches, host waits), the
 #             measurement that divides its gap between host and link (scaling's --trace-steps; not yet run)
+#   compile_runs  compiled 1024 x 8, one round: one GPU, bucketed_ddp with --model.compile buckets (a graph per run of
+#             blocks sharing a bucket: 14 runs of xl at 1000 MB instead of 48 block graphs; its first visit compiles
+#             four graph sizes, hence the longer visit limit) and at its default, per block (not yet run)
 #   train_step  on the first GPU alone, xl compiled through train.py against the plain PyTorch loop in one process
 #             (benchmarks.train): train.py clips inside fused AdamW's update, the loop clips first (0.974-0.992x
 #             on an H100, 2026-11-27; 1.009-1.020x before the fold)
@@ -36,11 +39,11 @@ source .ci/gpu_stages.sh  # the wheels the GPU image lacks; run STAGE SECONDS CO
 python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.device_count(), \
 'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 
-scaling() {  # scaling NAME CONFIG ROUNDS SETUPS... (TRACE_STEPS=N in the environment: trace N steps after each visit)
-    local name=$1 config=$2 rounds=$3; shift 3
+scaling() {  # scaling NAME CONFIG ROUNDS SETUPS... (in the environment, TRACE_STEPS=N: trace N steps after each
+    local name=$1 config=$2 rounds=$3; shift 3  # visit; RUN_TIMEOUT=S: a visit's limit, 200 s unless set)
     run "$name" 560 python -m benchmarks.scaling --devices 2 --size xl --configs "$config" --attention sdpa \
-        --setups "$@" --rounds "$rounds" --warmup 8 --steps 5 --segments 2 --run-timeout 200 --out-dir "$OUT/$name" \
-        --trace-steps "${TRACE_STEPS:-0}"
+        --setups "$@" --rounds "$rounds" --warmup 8 --steps 5 --segments 2 --run-timeout "${RUN_TIMEOUT:-200}" \
+        --out-dir "$OUT/$name" --trace-steps "${TRACE_STEPS:-0}"
 }
 
 for stage in "${STAGES[@]}"; do
@@ -69,12 +72,15 @@ for stage in "${STAGES[@]}"; do
     trace)
         TRACE_STEPS=2 scaling trace 512x4:eager 1 single zero3 bucketed_ddp
         ;;
+    compile_runs)
+        RUN_TIMEOUT=400 scaling compile_runs 1024x8:compiled 1 single bucketed_ddp+--model.compile=buckets bucketed_ddp
+        ;;
     train_step)
         CUDA_VISIBLE_DEVICES=0 run train_step 570 python -m benchmarks.train --shapes 512x4 2048x1 --compile on \
             --attention sdpa --rounds 6 --out-dir "$OUT/train_step"
         ;;
     *)
-        echo "unknown stage $stage (tests, resumes, scaling, zero1, eager, trace, train_step)"; exit 2
+        echo "unknown stage $stage (tests, resumes, scaling, zero1, eager, trace, compile_runs, train_step)"; exit 2
         ;;
     esac
 done

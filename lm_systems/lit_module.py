@@ -55,6 +55,8 @@ class LitLM(L.LightningModule):
             own across processes, where the data-parallel strategies overlap each block's gradient communication
             with the rest of backward (a whole compiled model hands every gradient over at its end). "blocks"
             or "model" choose either everywhere ("blocks" compiles one block's graph: faster to start).
+            "buckets" (bucketed_ddp, zero1): one graph per run of blocks whose gradients share a bucket, fewer
+            graph boundaries than "blocks" and no bucket launched later.
         sample_prompt: prompt of the sample printed after training, and logged as text (TensorBoard's TEXT tab)
             then and at each validation ('' skips them).
         sample_tokens: length of those samples.
@@ -81,7 +83,7 @@ class LitLM(L.LightningModule):
         decay_steps: Optional[int] = None,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
-        compile: Union[bool, Literal["blocks", "model"]] = False,
+        compile: Union[bool, Literal["blocks", "model", "buckets"]] = False,
         sample_prompt: str = "Once upon a time",
         sample_tokens: int = 48,
         on_nonfinite: NonFinitePolicy = "stop",
@@ -173,10 +175,21 @@ class LitLM(L.LightningModule):
     def _compile_model(self) -> None:
         """Per block where gradients are reduced across processes, so that each block's are ready as its backward
         ends; else the whole model, whose one graph launches its kernels with less host work per step (unless
-        ``compile`` names one of the two)."""
+        ``compile`` names one of the two). "buckets": per run of blocks that the strategy's ``block_runs`` gives."""
         trainer = attached_trainer(self)
         across_processes = trainer is not None and trainer.world_size > 1
-        if self.hparams.compile == "blocks" or (self.hparams.compile is True and across_processes):
+        if self.hparams.compile == "buckets":
+            block_runs = getattr(trainer.strategy, "block_runs", None) if trainer is not None else None
+            if block_runs is None:
+                strategy = type(trainer.strategy).__name__ if trainer is not None else "no trainer"
+                raise InputError(f"--model.compile buckets compiles the blocks whose gradients share a bucket as one "
+                                 f"graph: it needs a bucketing strategy (--strategy bucketed_ddp or zero1), got "
+                                 f"{strategy}; use --model.compile true")
+            runs = block_runs(self, self.model.blocks)
+            self.model.compile_blocks(runs=runs)
+            rank_zero_info(f"--model.compile buckets: the {len(self.model.blocks)} blocks compiled in {len(runs)} runs "
+                           f"of {', '.join(map(str, runs))} (one graph a run, whose gradients share a bucket)")
+        elif self.hparams.compile == "blocks" or (self.hparams.compile is True and across_processes):
             self.model.compile_blocks()
         else:
             self.model.compile()

@@ -5,8 +5,10 @@ Classes bottom-up: RMSNorm → RotaryEmbedding → CausalSelfAttention → SwiGL
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -105,6 +107,12 @@ class TransformerBlock(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+def _run_blocks(blocks: tuple[TransformerBlock, ...], x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
 class TransformerLM(nn.Module):
     """Token embedding → N pre-norm blocks → RMSNorm → LM head. ``forward(tokens)`` gives logits."""
 
@@ -116,6 +124,9 @@ class TransformerLM(nn.Module):
         self.blocks = nn.ModuleList(TransformerBlock(config, rope) for _ in range(config.num_layers))
         self.final_norm = RMSNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # compile_blocks(runs=...): (index of the first block, the run's blocks) per run, and the compiled runner
+        self._runs: Optional[list[tuple[int, tuple[TransformerBlock, ...]]]] = None
+        self._run_compiled: Optional[Callable[[tuple[TransformerBlock, ...], torch.Tensor], torch.Tensor]] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -135,12 +146,17 @@ class TransformerLM(nn.Module):
                 "raise model.context_length or feed shorter sequences"
             )
         x = self.embedding(tokens)  # (B, T, D)
-        for i, block in enumerate(self.blocks):
-            with nvtx_range(f"block_{i}"):
-                x = block(x)
+        if self._runs is None:
+            for i, block in enumerate(self.blocks):
+                with nvtx_range(f"block_{i}"):
+                    x = block(x)
+        else:
+            for first, blocks in self._runs:
+                with nvtx_range(f"blocks_{first}-{first + len(blocks) - 1}"):
+                    x = self._run_compiled(blocks, x)
         return self.lm_head(self.final_norm(x))  # (B, T, V)
 
-    def compile_blocks(self, **compile_options: Any) -> None:
+    def compile_blocks(self, runs: Optional[Sequence[int]] = None, **compile_options: Any) -> None:
         """torch.compile each block's forward in place (regional compilation; ``compile_options`` go to torch.compile).
 
         The blocks share one compiled graph, so compiling costs one block's time. Each block's backward
@@ -149,9 +165,24 @@ class TransformerLM(nn.Module):
         compiled model is one node, which hands every gradient over at the end of backward. Only the forward
         is compiled, not the module's call: hooks on a block (a sharding container's gather and free) run
         outside the graph.
+
+        ``runs`` (sizes in order, summing to the number of blocks) compiles each run of consecutive blocks as one
+        graph instead: fewer boundaries between graphs, where the activations make a round trip through memory that
+        one graph fuses away, for a run's gradients all arriving as its backward ends
+        (``lm_systems.parallel.runs_within_buckets`` picks runs that delay no gradient bucket). Runs of one size
+        share a graph. Blocks called inside a graph run their hooks inside it: not for a sharding container.
         """
-        for block in self.blocks:
-            block.forward = torch.compile(block.forward, **compile_options)
+        if runs is None:
+            for block in self.blocks:
+                block.forward = torch.compile(block.forward, **compile_options)
+            return
+        runs = list(runs)
+        if not runs or min(runs) < 1 or sum(runs) != len(self.blocks):
+            raise ValueError(f"runs are positive numbers of blocks that add up to the model's {len(self.blocks)}, "
+                             f"got {runs}")
+        firsts = itertools.accumulate([0, *runs[:-1]])
+        self._runs = [(first, tuple(self.blocks[first:first + size])) for first, size in zip(firsts, runs)]
+        self._run_compiled = torch.compile(_run_blocks, **compile_options)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

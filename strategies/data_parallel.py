@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar, Literal, Optional
@@ -48,8 +48,8 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lm_systems.compat.lightning import ModelWrappingDDPStrategy
-from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP,
-                                 default_bucket_size_mb, gradient_process_group)
+from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP, default_bucket_size_mb,
+                                 gradient_buckets, gradient_process_group, runs_within_buckets)
 from strategies.sigterm import HostSigtermStrategy
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -209,6 +209,11 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
     def bucket_size_mb(self) -> float:
         """The cap the gradients are bucketed by: the one given, else the default for the number of hosts."""
         return self._bucket_size_mb or default_bucket_size_mb(self.num_nodes)
+
+    def block_runs(self, module: Module, blocks: Sequence[Module]) -> list[int]:
+        """The runs of consecutive ``blocks`` whose gradients all land in one of the buckets ``wrap(module)`` will
+        make, as sizes: what ``--model.compile buckets`` compiles as one graph each."""
+        return runs_within_buckets(blocks, gradient_buckets(module, self.bucket_size_mb))
 
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:

@@ -178,6 +178,27 @@ def test_compile_is_per_block_only_across_processes_unless_named(devices, compil
     assert calls == [(compiled, lit.model)]
 
 
+@pytest.mark.parametrize("bucket_size_mb, runs", [(math.inf, [2]), (1e-6, [1, 1])])
+def test_compile_buckets_compiles_the_runs_of_blocks_that_share_a_bucket(bucket_size_mb, runs, monkeypatch):
+    from strategies import BucketedDDPStrategy
+
+    calls = []
+    monkeypatch.setattr(TransformerLM, "compile_blocks", lambda self, runs=None, **k: calls.append(runs))
+    lit = LitLM(**SMALL_MODEL, vocab_size=100, compile="buckets")
+    lit.trainer = L.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+                            strategy=BucketedDDPStrategy(bucket_size_mb=bucket_size_mb, start_method="spawn"))
+    lit.configure_model()
+    assert calls == [runs]  # one bucket: both blocks in one graph; a bucket a parameter: a graph a block
+
+
+def test_compile_buckets_without_a_bucketing_strategy_says_what_to_use():
+    lit = LitLM(**SMALL_MODEL, vocab_size=100, compile="buckets")
+    lit.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    said = r"--model.compile buckets .*\(--strategy bucketed_ddp or zero1\), got SingleDeviceStrategy"
+    with pytest.raises(ValueError, match=said):
+        lit.configure_model()
+
+
 def test_the_model_is_built_by_configure_model_once():
     lit = LitLM(**SMALL_MODEL, vocab_size=100)
     assert lit.model is None

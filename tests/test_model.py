@@ -42,15 +42,16 @@ def _compiled_backward_nodes(output: torch.Tensor) -> int:
 
 
 @pytest.mark.slow
-def test_compiled_blocks_match_eager_and_keep_one_backward_node_per_block():
+@pytest.mark.parametrize("runs, nodes", [(None, 3), ([2, 1], 2)])
+def test_compiled_blocks_match_eager_and_keep_one_backward_node_per_block_or_run(runs, nodes):
     config = ModelConfig.from_name("tiny", vocab_size=97, context_length=32, num_layers=3)
     eager, compiled = TransformerLM(config), TransformerLM(config)
     compiled.load_state_dict(eager.state_dict())
-    compiled.compile_blocks(backend="aot_eager")  # the graph capture without code generation: fast on a CPU
+    compiled.compile_blocks(runs, backend="aot_eager")  # the graph capture without code generation: fast on a CPU
     tokens = torch.randint(0, 97, (2, 17))
     expected, got = eager(tokens), compiled(tokens)
-    # Each block's gradients are ready when its own backward node ends, not all at the end of backward.
-    assert _compiled_backward_nodes(got) == 3
+    # Each block's (or run's) gradients are ready when its own backward node ends, not all at the end of backward.
+    assert _compiled_backward_nodes(got) == nodes
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     expected.square().mean().backward()
     got.square().mean().backward()
@@ -114,3 +115,10 @@ def test_unknown_size_and_attention_list_the_valid_names():
         ModelConfig.from_name("huge")
     with pytest.raises(ValueError, match="naive.*sdpa"):
         tiny(attention="flash3")
+
+
+@pytest.mark.parametrize("runs", [[2, 2], [3, 0], []])
+def test_runs_that_do_not_cover_the_blocks_are_refused(runs):
+    model = TransformerLM(ModelConfig.from_name("tiny", vocab_size=97, num_layers=3))
+    with pytest.raises(ValueError, match=r"add up to the model's 3"):
+        model.compile_blocks(runs)

@@ -1,6 +1,6 @@
 """`python train.py --strategy S --accelerator cpu --devices 2` (gloo, Lightning's popen launcher re-running the
 script, hence a subprocess) for each of our strategies, with gradient accumulation, clipping that engages at every
-step and validation on:
+step and validation on (bucketed_ddp also compiled in runs of blocks that share a bucket):
 
 - each rank's micro-batches, replayed in one process by a plain AdamW loop (tests/run_record.py), give the final
   weights and optimizer state of the run's last checkpoint, within float32 reduction-order bounds;
@@ -34,14 +34,17 @@ RESUMED = ["bucketed_ddp", "zero1", "zero3", ZERO1_ALL_REDUCE]
 # RESUMED first, at the same positions in both lists: pytest keys a module-scoped parameter by its position, and
 # then runs each strategy's uninterrupted run once for both tests.
 FUSED = "--trainer.callbacks+=tests.fused_adamw.FusedAdamWOnCPU"  # fused AdamW clips inside its step
-STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp", f"bucketed_ddp {FUSED}", f"zero3 {FUSED}"]
+# Three blocks in three buckets of 80 kB: compiled as a run of two blocks (one graph) and one of one.
+COMPILED_RUNS = "bucketed_ddp --model.compile buckets --model.num_layers 3 --trainer.strategy.bucket_size_mb 0.08"
+STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp", f"bucketed_ddp {FUSED}", f"zero3 {FUSED}", COMPILED_RUNS]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(strategy, train_py, tmp_path_factory) -> Path:
     """The whole run, checkpointing at STOP_AT and at the end; its records in the run folder."""
     run_dir = tmp_path_factory.mktemp(f"{strategy.split()[0]}_uninterrupted")
-    train_py.run_ok(*train_py.tiny, *RUN, "--strategy", *strategy.split(), *record_into(run_dir), cwd=run_dir)
+    done = train_py.run_ok(*train_py.tiny, *RUN, "--strategy", *strategy.split(), *record_into(run_dir), cwd=run_dir)
+    (run_dir / "train_py.log").write_text(done.stdout + done.stderr)
     return run_dir
 
 
@@ -62,13 +65,17 @@ def test_two_processes_train_like_one_process_on_their_batches(strategy, uninter
     assert min(reference["grad_norms"]) > float(CLIP), ("every step clips", reference["grad_norms"])
     saved = checkpoint(uninterrupted, STEPS)
     assert saved["global_step"] == STEPS
+    # Compiled kernels reassociate float32 sums: up to 2e-4 relative (7.7e-6 absolute) apart after 6 steps, measured.
+    rtol, atol = (4e-4, 2e-5) if strategy == COMPILED_RUNS else (1e-4, 1e-6)
     for name, value in reference["state_dict"].items():
         assert not torch.equal(value, records[0]["initial"][name]), f"{name} never moved"
         # float32 throughout: per-rank means averaged vs one mean over the global batch differ by a few ulps per
         # gradient element, grown over 6 AdamW steps; clipping at the wrong norm moves weights by ~1e-3.
-        torch.testing.assert_close(saved["state_dict"][name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(saved["state_dict"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
         for record in records:  # each rank's replica, as it ended
             assert torch.equal(record["final"][name], saved["state_dict"][name]), name
+    if strategy == COMPILED_RUNS:
+        assert "the 3 blocks compiled in 2 runs of 2, 1" in (uninterrupted / "train_py.log").read_text()
     (optimizer_state,) = saved["optimizer_states"]
     assert {group["fused"] for group in optimizer_state["param_groups"]} == {FUSED in strategy}
     expected = reference["optimizer"]
@@ -76,8 +83,8 @@ def test_two_processes_train_like_one_process_on_their_batches(strategy, uninter
     for index, state in expected["state"].items():
         assert int(optimizer_state["state"][index]["step"]) == STEPS
         for moment in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(optimizer_state["state"][index][moment], state[moment], rtol=1e-4,
-                                       atol=1e-6 * state[moment].abs().max().item(),
+            torch.testing.assert_close(optimizer_state["state"][index][moment], state[moment], rtol=rtol,
+                                       atol=atol * state[moment].abs().max().item(),
                                        msg=lambda m: f"parameter {index}'s {moment}: {m}")
     assert [g["lr"] for g in optimizer_state["param_groups"]] == pytest.approx([g["lr"] for g in expected["param_groups"]])
 

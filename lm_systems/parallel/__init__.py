@@ -3,7 +3,8 @@
 - ``NaiveDDP(module, flat=False)``: all-reduce after backward, per parameter or flattened.
 - ``PerParameterDDP(module)``: per-parameter async all-reduce launched during backward.
 - ``BucketedDDP(module, bucket_size_mb)``: bucketed async all-reduce, in place in autograd's own gradients;
-  ``default_bucket_size_mb(hosts)`` the cap the strategies pick when none is given.
+  ``default_bucket_size_mb(hosts)`` the cap the strategies pick when none is given, ``gradient_buckets`` its plan,
+  ``runs_within_buckets`` the runs of blocks that can compile as one graph each without delaying a bucket.
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
 - ``FullyShardedDataParallel(module, compute_dtype=None, unit_types=None)``: parameters, gradients and optimizer
   state sharded over ranks (ZeRO stage 3), each unit gathered just before its forward and its backward.
@@ -11,7 +12,8 @@
 """
 
 from lm_systems.parallel.base import DataParallelModule
-from lm_systems.parallel.bucketed import BucketedDDP, assign_buckets, default_bucket_size_mb
+from lm_systems.parallel.bucketed import (BucketedDDP, assign_buckets, default_bucket_size_mb, gradient_buckets,
+                                         runs_within_buckets)
 from lm_systems.parallel.collectives import gradient_process_group
 from lm_systems.parallel.fully_sharded import FullyShardedDataParallel
 from lm_systems.parallel.naive import NaiveDDP
@@ -28,6 +30,8 @@ __all__ = [
     "ShardedOptimizer",
     "assign_buckets",
     "default_bucket_size_mb",
+    "gradient_buckets",
     "gradient_process_group",
     "optimizer_init_kwargs",
+    "runs_within_buckets",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -52,6 +54,34 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[li
     return [bucket for _, bucket in sorted(full, key=lambda entry: entry[0])]
 
 
+def gradient_buckets(module: nn.Module, bucket_size_mb: float) -> list[list[nn.Parameter]]:
+    """The buckets ``BucketedDDP(module, bucket_size_mb)`` averages: ``module``'s trainable parameters in reverse
+    registration order (about the order backward produces their gradients), in launch order."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return assign_buckets(list(reversed(params)), bucket_size_mb)
+
+
+def runs_within_buckets(blocks: Sequence[nn.Module], buckets: list[list[nn.Parameter]]) -> list[int]:
+    """The sizes, in order, of runs of consecutive ``blocks`` whose parameters all lie in one of ``buckets``; a
+    block whose parameters span buckets (or that has none) is a run of its own.
+
+    Compiled as one graph, a run hands every gradient over as its backward ends, that is as its first block's
+    ends. A bucket holding the run cannot launch before then anyway (it waits for that block's gradients), and no
+    other bucket holds any of them: a graph per run delays no bucket's all-reduce.
+    """
+    bucket_of = {id(p): index for index, bucket in enumerate(buckets) for p in bucket}
+    runs: list[int] = []
+    previous: set[int | None] = set()
+    for block in blocks:
+        home = {bucket_of.get(id(p)) for p in block.parameters() if p.requires_grad}
+        if runs and len(home) == 1 and home == previous:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+        previous = home
+    return runs
+
+
 class BucketedDDP(OverlappedDDP):
     """Buckets of gradients, in reverse parameter order, each at most ``bucket_size_mb``, averaged asynchronously.
 
@@ -67,8 +97,7 @@ class BucketedDDP(OverlappedDDP):
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
                  grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False) -> None:
-        params = [p for p in module.parameters() if p.requires_grad]
-        super().__init__(module, assign_buckets(list(reversed(params)), bucket_size_mb), process_group, grad_comm_dtype,
+        super().__init__(module, gradient_buckets(module, bucket_size_mb), process_group, grad_comm_dtype,
                          launch_thread)
         self.bucket_size_mb = bucket_size_mb
 

@@ -1,4 +1,5 @@
-"""assign_buckets: every bucket within the cap (or one oversized parameter), listed in the order they fill up."""
+"""assign_buckets: every bucket within the cap (or one oversized parameter), listed in the order they fill up;
+runs_within_buckets: runs of blocks whose gradients share one bucket."""
 
 import math
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lm_systems.parallel.bucketed import MiB, assign_buckets
+from lm_systems.parallel.bucketed import MiB, assign_buckets, gradient_buckets, runs_within_buckets
 
 
 def params(*sizes_mb: float, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -63,3 +64,36 @@ def test_one_bucket_takes_every_gradient_of_a_kind_once_backward_ends():
     order = params(0.1, 300, 2, 40, 0.5)
     buckets = assign_buckets(order, math.inf)
     assert [[id(p) for p in b] for b in buckets] == [[id(p) for p in order]]
+
+
+class Block(nn.Module):
+    def __init__(self, *sizes: int) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.empty(n)) for n in sizes)
+
+
+def test_runs_within_buckets_join_blocks_of_one_bucket_and_leave_a_spanning_block_alone():
+    b = [Block(4, 4) for _ in range(6)]
+    buckets = [[*b[5].parameters(), *b[4].parameters()],
+               [*b[3].parameters(), *b[2].parameters(), b[1].weights[1]],
+               [b[1].weights[0], *b[0].parameters()]]
+    assert runs_within_buckets(b, buckets) == [1, 1, 2, 2]  # b0 | b1 spans two buckets | b2 b3 | b4 b5
+
+
+@pytest.mark.parametrize("cap_mb, expected", [(math.inf, [4]), (1e-6, [1, 1, 1, 1])])
+def test_runs_of_a_model_fit_its_buckets(cap_mb, expected):
+    from lm_systems.config import ModelConfig
+    from lm_systems.model import TransformerLM
+
+    model = TransformerLM(ModelConfig.from_name("tiny", vocab_size=97, num_layers=4))
+    buckets = gradient_buckets(model, cap_mb)
+    assert runs_within_buckets(model.blocks, buckets) == expected
+    block_mb = sum(p.numel() * 4 for p in model.blocks[0].parameters()) / MiB
+    runs = runs_within_buckets(model.blocks, gradient_buckets(model, 2.5 * block_mb))
+    assert sum(runs) == 4 and max(runs) >= 2  # a bucket holds two whole blocks somewhere
+    bucket_of = {id(p): i for i, bucket in enumerate(gradient_buckets(model, 2.5 * block_mb)) for p in bucket}
+    first = 0
+    for size in runs:
+        homes = {bucket_of[id(p)] for block in model.blocks[first:first + size] for p in block.parameters()}
+        assert size == 1 or len(homes) == 1
+        first += size
