@@ -2,7 +2,8 @@
 # Issue 30's data-parallel work on two CUDA GPUs of one host (torch 2.11; each stage fits one 10-minute call):
 #   tests     python train.py --devices 2: SIGTERM stops both ranks under bucketed_ddp and zero3; bucketed_ddp, zero3
 #             and zero1 against torch DDP in bf16-mixed (clipping inside fused AdamW's update: zero3's passed over NCCL
-#             on 2 x H100, 2026-11-27; bucketed_ddp's not yet run there), zero1 in 16-mixed (reducing to owners under
+#             on 2 x H100, 2026-11-27; bucketed_ddp's not yet run there; also compiled in runs of blocks, --model.compile
+#             buckets, in both precisions: not yet run), zero1 in 16-mixed (reducing to owners under
 #             torch's ShardedGradScaler: passed on 2 x H100), zero1's runs of the strategies' GPU tests, and the
 #             gpu-marked compat tests (NCCL's grouped launch of reduces)
 #   resumes   the zero1 and zero3 two-GPU resumes (passed 2026-11-26)
@@ -50,7 +51,7 @@ for stage in "${STAGES[@]}"; do
     case $stage in
     tests)
         run train_py_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py \
-            -k "sigterm or bucketed_ddp-bf16-mixed or zero3-bf16-mixed or zero1-bf16-mixed or zero1-16-mixed" \
+            -k "sigterm or bucketed_ddp-bf16-mixed or compile or zero3-bf16-mixed or zero1-bf16-mixed or zero1-16-mixed" \
             --junitxml="$OUT/train_py_2gpu.xml"
         run strategies_zero1 200 python -m pytest -q -p no:cacheprovider tests/strategies/test_strategies_gpu.py -k zero1 \
             --junitxml="$OUT/strategies_zero1.xml"

@@ -1,5 +1,6 @@
 """`python train.py --devices 2` on two GPUs over NCCL, run as the user runs it (a subprocess): every
-data-parallel strategy in bf16-mixed and 16-mixed, clipping engaged, two micro-batches accumulated per step.
+data-parallel strategy in bf16-mixed and 16-mixed, clipping engaged, two micro-batches accumulated per step
+(bucketed_ddp also compiled in runs of blocks that share a bucket).
 
 Each run must exit 0 and lower the training loss. The replicated strategies' ranks must end with identical
 weights. Every strategy must end where torch DDP (Lightning's ``ddp``) ends on the same windows (the
@@ -22,7 +23,9 @@ from test_train_py_gpu import assert_trained, logged, version_dir
 
 STEPS = 12
 ZERO1_ALL_REDUCE = "zero1 --trainer.strategy.grad_reduce all_reduce"  # every rank keeps all averaged gradients
-REPLICATED = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", ZERO1_ALL_REDUCE]
+# The tiny model's four blocks in 2.5 MB buckets: compiled as two runs of two blocks, one graph each.
+COMPILED_RUNS = "bucketed_ddp --model.compile buckets --trainer.strategy.bucket_size_mb 2.5"
+REPLICATED = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", ZERO1_ALL_REDUCE, COMPILED_RUNS]
 SHARDED = ["zero3", "fsdp2"]
 PRECISIONS = ["bf16-mixed", "16-mixed"]
 CLIP = 0.05  # below the tiny model's gradient norm at these steps: every step clips (asserted below)
