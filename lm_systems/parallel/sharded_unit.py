@@ -72,6 +72,7 @@ class ShardedParam:
     flat: torch.Tensor  # the full parameter's storage as one flat tensor for every rank's shard, in rank order
     storage: torch.UntypedStorage  # the full parameter's, resized to gather and to release
     offset: int = 0  # in the unit's flat shard (gather_masters' layout)
+    _flat_shard: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, original: torch.Tensor, shard: nn.Parameter, dtype: torch.dtype, world_size: int,
@@ -91,6 +92,13 @@ class ShardedParam:
     @property
     def numel(self) -> int:
         return self.shard.numel()
+
+    def flat_shard(self) -> torch.Tensor:
+        """The shard's values as one flat view, made once: again only if the shard's data was replaced (a new
+        storage, so a new address; the old one is held by the view and cannot be reused meanwhile)."""
+        if self._flat_shard is None or self._flat_shard.data_ptr() != self.shard.data_ptr():
+            self._flat_shard = self.shard.detach().view(-1)
+        return self._flat_shard
 
     def allocate(self) -> torch.Tensor:
         """Give the full parameter its storage back; returns ``flat``, which the all-gather fills."""
@@ -179,7 +187,7 @@ class ShardedUnit:
         """Launch the all-gather of every rank's shards, in the compute dtype (no-op if under way or done)."""
         if self.gathered or self._gathering is not None:
             return
-        shards = [p.shard.detach().view(-1) for p in self.params]
+        shards = [p.flat_shard() for p in self.params]
         sent = shards
         if self._gathers_cast:  # one staging buffer, one multi-tensor cast
             staging = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)

@@ -236,3 +236,13 @@ def test_a_unit_called_with_keywords_casts_its_tensors_and_reduces_its_gradients
     for name, param in reference.named_parameters():
         torch.testing.assert_close(wrapped.module.get_parameter(name).grad, param.grad, atol=tolerance,
                                    rtol=tolerance, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_shard_whose_data_is_replaced_is_gathered_with_its_new_values(single_rank_group):
+    """Gathers read each shard through a flat view made once; one whose ``.data`` was swapped (``module.to``
+    with a new dtype or device, a user's assignment) must not be gathered from its old storage."""
+    model = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 3)), unit_types=(torch.nn.Linear,))
+    linear, x = model.module[0], torch.randn(2, 4)
+    model(x)  # the views are made
+    linear.weight.data = torch.full((3, 4), 0.5)
+    torch.testing.assert_close(model(x), torch.nn.functional.linear(x, torch.full((3, 4), 0.5), linear.bias))
