@@ -11,8 +11,9 @@ Reads a torch.profiler Chrome trace (``export_chrome_trace``; Lightning's ``PyTo
     launches        kernel launches by the host per step
 
 A host-bound step shows a large gpu_idle_ms and a small host_sync_ms; a GPU-bound one the reverse; a step held by
-the link a large nccl_exposed_ms. The window runs from the trace's first event to its last, so trace whole steps
-with the device synchronised at both ends (``benchmarks.scaling --trace-steps`` does).
+the link a large nccl_exposed_ms. The window runs from the trace's first event to its last (torch.profiler writes
+one span of its whole session, "PyTorch Profiler (0)", so the host's time between steps counts), so trace whole
+steps with the device synchronised at both ends (``benchmarks.scaling --trace-steps`` does).
 """
 
 from __future__ import annotations
