@@ -90,7 +90,6 @@ class WindowTimer(Callback):
         self._segment_ms: list[float] = []
         self._started = 0.0
         self._profiler: torch.profiler.profile | None = None
-        self._traced = False
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -117,10 +116,11 @@ class WindowTimer(Callback):
 
     def _trace(self, trainer: L.Trainer) -> None:
         """Start the profiler where the timed segments end and stop it ``trace_steps`` steps later, the device
-        synchronised at both ends so that the trace spans whole steps."""
+        synchronised at both ends so that the trace spans whole steps. (The step count only grows: once stopped,
+        it never reads ``start`` again.)"""
         start = self._warmup + self._steps * self._segments
         step, device = trainer.global_step, trainer.strategy.root_device
-        starting = self._profiler is None and step == start and not self._traced
+        starting = self._profiler is None and step == start
         stopping = self._profiler is not None and step == start + self._trace_steps
         if not (starting or stopping):
             return
@@ -128,13 +128,14 @@ class WindowTimer(Callback):
             torch.cuda.synchronize(device)
         if starting:
             activity = torch.profiler.ProfilerActivity
-            self._profiler = torch.profiler.profile(activities=[activity.CUDA if device.type == "cuda" else activity.CPU])
+            self._profiler = torch.profiler.profile(activities=[activity.CUDA if device.type == "cuda" else
+                                                                activity.CPU])
             self._profiler.start()
             return
         self._profiler.stop()
         self._out_dir.mkdir(parents=True, exist_ok=True)
         self._profiler.export_chrome_trace(str(self._out_dir / f"trace_rank{trainer.global_rank}.json"))
-        self._profiler, self._traced = None, True
+        self._profiler = None
 
     def _write(self, trainer: L.Trainer, device: torch.device) -> None:
         peak = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else float("nan")

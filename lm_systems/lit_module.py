@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 
 from lm_systems.attention import describe_attention
 from lm_systems.compat.lightning import attached_trainer, logs_this_step
-from lm_systems.compat.torch import scale_in_step, skip_step_on_device, unscales_in_step
+from lm_systems.compat.torch import can_scale_in_step, scale_in_step, skip_step_on_device, unscales_in_step
 from lm_systems.config import ModelConfig
 from lm_systems.data.tokenizer import tokenizer_mismatch
 from lm_systems.errors import InputError
@@ -288,11 +288,13 @@ class LitLM(L.LightningModule):
             # 16-mixed: the optimizer would unscale in step(); the norm needs it now, and a sharding scaler
             # agrees on overflow across ranks only in unscale_.
             scaler.unscale_(optimizer)
-        # Else fused AdamW can clip inside its step: set (or cleared) every step, so that none keeps another's.
-        clips_in_step = scaler is None and scale_in_step(optimizer, None)
-        grad_norm = None
+        # Else fused AdamW can clip inside its step.
+        clips_in_step = scaler is None and can_scale_in_step(optimizer)
+        grad_norm = divisor = None
         if needs_norm:
-            grad_norm = self._clip_grad_norm(gradient_clip_val or float("inf"), optimizer if clips_in_step else None)
+            grad_norm, divisor = self._clip_grad_norm(gradient_clip_val or float("inf"), clips_in_step)
+        if clips_in_step:
+            scale_in_step(optimizer, divisor)  # set, or cleared, every step: none keeps another's
         # Under a GradScaler, overflowing gradients are the scaler's to skip; the loss is still ours to watch.
         bad = self._nonfinite.observe(self.trainer.global_step, self._last_loss,
                                       grad_norm if scaler is None else None)
@@ -303,25 +305,24 @@ class LitLM(L.LightningModule):
             if self._nonfinite.policy == "skip":  # under "stop" it would always read 0: the run stops instead
                 self.log("train/skipped_steps", self._nonfinite.skipped_steps.float())
 
-    def _clip_grad_norm(self, max_norm: float, in_step_of: Optional[torch.optim.Optimizer]) -> torch.Tensor:
-        """Scale the gradients to a global norm of at most ``max_norm``; the norm before clipping.
+    def _clip_grad_norm(self, max_norm: float, in_step: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Scale the gradients to a global norm of at most ``max_norm``; the norm before clipping, and None.
 
-        With ``in_step_of`` (an optimizer that ``scale_in_step`` takes) the gradients are left as they are and its
-        step divides them by ``max(1, norm / max_norm)``, inside the update's own pass over them: one read and
-        write of every gradient fewer than scaling them first.
+        ``in_step`` (the optimizer ``can_scale_in_step``): the gradients are left as they are, and the divisor
+        ``max(1, norm / max_norm)`` is returned for the step to apply inside the update's own pass over them (one
+        read and write of every gradient fewer than scaling them first).
         """
         wrapper = self.trainer.strategy.model  # a sharding container knows the norm over every rank
-        if in_step_of is None:
+        if not in_step:
             clip = getattr(wrapper, "clip_grad_norm_", None)
             if clip is not None:
-                return clip(max_norm)
-            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+                return clip(max_norm), None
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm), None
         norm = getattr(wrapper, "grad_norm", None)
         total = norm() if norm is not None else torch.nn.utils.get_total_norm(
             [p.grad for p in self.model.parameters() if p.grad is not None])
         # torch's clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)): the same, as a divisor.
-        scale_in_step(in_step_of, ((total.float() + 1e-6) / max_norm).clamp_(min=1.0))
-        return total
+        return total, ((total.float() + 1e-6) / max_norm).clamp_(min=1.0)
 
     @staticmethod
     def _skip_update_if(bad: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:

@@ -71,10 +71,10 @@ class _PoisonedLM(LitLM):
         loss = super()._loss(batch)
         return loss * float("nan") if self.training and self.trainer.global_step in self.poisoned else loss
 
-    def _clip_grad_norm(self, max_norm: float, in_step_of) -> torch.Tensor:
-        norm = super()._clip_grad_norm(max_norm, in_step_of)
+    def _clip_grad_norm(self, max_norm: float, in_step: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        norm, divisor = super()._clip_grad_norm(max_norm, in_step)
         self.grad_norms.append(norm.item())
-        return norm
+        return norm, divisor
 
 
 MODEL = dict(size="tiny", d_model=32, num_layers=1, num_heads=2, d_ff=64, context_length=16, warmup_steps=2,

@@ -58,16 +58,17 @@ def skip_step_on_device(optimizer: torch.optim.Optimizer, skip: torch.Tensor) ->
     optimizer.found_inf = skip.float()
 
 
-def scale_in_step(optimizer: torch.optim.Optimizer, divisor: Optional[torch.Tensor]) -> bool:
-    """Have the next ``step()`` of an optimizer that ``unscales_in_step`` divide every gradient by ``divisor`` (a
-    0-dim float tensor; None: by nothing) inside its own kernel, as GradScaler has it unscale (its ``grad_scale``).
-    False, with nothing set, where it cannot: another optimizer, or parameters of a tensor subclass (FSDP2's
-    DTensors), whose step would mix them with a plain tensor."""
+def can_scale_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scale_in_step`` can have ``optimizer`` divide its gradients: one that ``unscales_in_step``, over
+    plain tensors (a tensor subclass, such as FSDP2's DTensors, would be mixed with the plain divisor)."""
     first = next((p for group in optimizer.param_groups for p in group["params"]), None)  # every step: no list
-    if not unscales_in_step(optimizer) or (first is not None and type(first.data) is not torch.Tensor):
-        return False
+    return unscales_in_step(optimizer) and (first is None or type(first.data) is torch.Tensor)
+
+
+def scale_in_step(optimizer: torch.optim.Optimizer, divisor: Optional[torch.Tensor]) -> None:
+    """Have the next ``step()`` of an optimizer that ``can_scale_in_step`` divide every gradient by ``divisor`` (a
+    0-dim float tensor; None: by nothing) inside its own kernel, as GradScaler has it unscale (its ``grad_scale``)."""
     optimizer.grad_scale = divisor
-    return True
 
 
 def overflow_flags(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:

@@ -77,7 +77,8 @@ def test_fused_adamw_divides_the_gradients_in_its_step_as_told():
         optimizer = torch.optim.AdamW([param], lr=0.1, weight_decay=0.5, fused=True)
         for grad, divisor in zip(grads, divisors):
             param.grad = grad.clone()
-            assert compat.scale_in_step(optimizer, divisor)
+            assert compat.can_scale_in_step(optimizer)
+            compat.scale_in_step(optimizer, divisor)
             optimizer.step()
         return param.detach()
 
@@ -86,7 +87,7 @@ def test_fused_adamw_divides_the_gradients_in_its_step_as_told():
     torch.testing.assert_close(divided, trained([grads[0] / 4, grads[1]], [None, None]))
     assert not torch.allclose(divided, trained(grads, [None, None])), broken("fused AdamW's grad_scale")
     param = torch.nn.Parameter(torch.ones(2))
-    assert not compat.scale_in_step(torch.optim.AdamW([param], lr=0.1), torch.tensor(2.0))
+    assert not compat.can_scale_in_step(torch.optim.AdamW([param], lr=0.1))
 
 
 def test_overflow_flags_are_the_scalers_per_device_flags():

@@ -80,18 +80,26 @@ def test_runs_within_buckets_join_blocks_of_one_bucket_and_leave_a_spanning_bloc
     assert runs_within_buckets(b, buckets) == [1, 1, 2, 2]  # b0 | b1 spans two buckets | b2 b3 | b4 b5
 
 
-@pytest.mark.parametrize("cap_mb, expected", [(math.inf, [4]), (1e-6, [1, 1, 1, 1])])
-def test_runs_of_a_model_fit_its_buckets(cap_mb, expected):
+def tiny_model(num_layers: int) -> nn.Module:
     from lm_systems.config import ModelConfig
     from lm_systems.model import TransformerLM
 
-    model = TransformerLM(ModelConfig.from_name("tiny", vocab_size=97, num_layers=4))
-    buckets = gradient_buckets(model, cap_mb)
-    assert runs_within_buckets(model.blocks, buckets) == expected
+    return TransformerLM(ModelConfig.from_name("tiny", vocab_size=97, num_layers=num_layers))
+
+
+@pytest.mark.parametrize("cap_mb, expected", [(math.inf, [4]), (1e-6, [1, 1, 1, 1])])
+def test_one_bucket_is_one_run_and_a_bucket_a_parameter_a_run_a_block(cap_mb, expected):
+    model = tiny_model(4)
+    assert runs_within_buckets(model.blocks, gradient_buckets(model, cap_mb)) == expected
+
+
+def test_runs_of_a_model_fit_its_buckets():
+    model = tiny_model(4)
     block_mb = sum(p.numel() * 4 for p in model.blocks[0].parameters()) / MiB
-    runs = runs_within_buckets(model.blocks, gradient_buckets(model, 2.5 * block_mb))
+    buckets = gradient_buckets(model, 2.5 * block_mb)
+    runs = runs_within_buckets(model.blocks, buckets)
     assert sum(runs) == 4 and max(runs) >= 2  # a bucket holds two whole blocks somewhere
-    bucket_of = {id(p): i for i, bucket in enumerate(gradient_buckets(model, 2.5 * block_mb)) for p in bucket}
+    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
     first = 0
     for size in runs:
         homes = {bucket_of[id(p)] for block in model.blocks[first:first + size] for p in block.parameters()}
