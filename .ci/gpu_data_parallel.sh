@@ -2,12 +2,12 @@
 # Issue 30's data-parallel work on two CUDA GPUs of one host (torch 2.11; each stage fits one 10-minute call):
 #   tests     python train.py --devices 2: SIGTERM stops both ranks under bucketed_ddp and zero3; bucketed_ddp, zero3
 #             and zero1 against torch DDP in bf16-mixed (clipping inside fused AdamW's update: zero3's passed over NCCL
-#             on 2 x H100, 2026-11-27; bucketed_ddp's not yet run there), zero1 in 16-mixed (reducing to owners under
+#             on 2 x H100, bucketed_ddp's on 2 x H200, 2026-11-27), zero1 in 16-mixed (reducing to owners under
 #             torch's ShardedGradScaler: passed on 2 x H100), zero1's runs of the strategies' GPU tests, and the
 #             gpu-marked compat tests (NCCL's grouped launch of reduces)
 #   resumes   the zero1 and zero3 two-GPU resumes (passed 2026-11-26)
 #   compiled_tests  bucketed_ddp compiled in runs of blocks (--model.compile buckets) against torch DDP, bf16-mixed and
-#             16-mixed (not yet run)
+#             16-mixed (passed on 2 x H200, 2026-11-27)
 #   scaling   xl compiled at 1024 x 8 per GPU through train.py, two rounds, interleaved (results are written after
 #             every visit): one GPU and bucketed_ddp at its default (1000 MB buckets: 93.6-94.2% scaling on 2 x H100
 #             in four calls; 95% asked)
@@ -18,10 +18,11 @@
 #             the host, one GPU read 153 and 173 ms four minutes apart, so each scaling takes its own round's)
 #   trace     eager 512 x 4, one GPU, zero3 and bucketed_ddp, each followed by two steps traced on every rank: where
 #             zero3's eager step goes (GPU compute, NCCL exposed, GPU idle while the host launches, host waits), the
-#             measurement that divides its gap between host and link (scaling's --trace-steps; not yet run)
+#             measurement that divides its gap between host and link (scaling's --trace-steps: on 2 x H200, 2026-11-27,
+#             the slower rank's host)
 #   compile_runs  compiled 1024 x 8, one round: one GPU, bucketed_ddp with --model.compile buckets (a graph per run of
 #             blocks sharing a bucket: 14 runs of xl at 1000 MB instead of 48 block graphs; its first visit compiles
-#             four graph sizes, hence the longer visit limit) and at its default, per block (not yet run)
+#             four graph sizes, hence the longer visit limit) and at its default, per block (0.5-0.7% faster on 2 x H200, 2026-11-27)
 #   train_step  on the first GPU alone, xl compiled through train.py against the plain PyTorch loop in one process
 #             (benchmarks.train): train.py clips inside fused AdamW's update, the loop clips first (0.974-0.992x
 #             on an H100, 2026-11-27; 1.009-1.020x before the fold)
