@@ -19,7 +19,8 @@
 #   trace     eager 512 x 4, one GPU, zero3 and bucketed_ddp, each followed by two steps traced on every rank: where
 #             zero3's eager step goes (GPU compute, NCCL exposed, GPU idle while the host launches, host waits), the
 #             measurement that divides its gap between host and link (scaling's --trace-steps: on 2 x H200, 2026-11-27,
-#             the slower rank's host)
+#             the slower rank's host); the traces come back in traces.tar, and the table now splits the exposed
+#             NCCL time by collective (not yet run)
 #   compile_runs  compiled 1024 x 8, one round: one GPU, bucketed_ddp with --model.compile buckets (a graph per run of
 #             blocks sharing a bucket: 14 runs of xl at 1000 MB instead of 48 block graphs; its first visit compiles
 #             four graph sizes, hence the longer visit limit) and at its default, per block (0.5-0.7% faster on 2 x H200, 2026-11-27)
@@ -47,6 +48,9 @@ scaling() {  # scaling NAME CONFIG ROUNDS SETUPS... (in the environment, TRACE_S
     run "$name" 560 python -m benchmarks.scaling --devices 2 --size xl --configs "$config" --attention sdpa \
         --setups "$@" --rounds "$rounds" --warmup 8 --steps 5 --segments 2 --run-timeout "${RUN_TIMEOUT:-200}" \
         --out-dir "$OUT/$name" --trace-steps "${TRACE_STEPS:-0}"
+    if [ -d "$OUT/$name/scaling_traces" ]; then  # one file back from the device for all of them
+        tar -C "$OUT/$name" -cf "$OUT/$name/traces.tar" scaling_traces && rm -r "$OUT/$name/scaling_traces"
+    fi
 }
 
 for stage in "${STAGES[@]}"; do

@@ -4,7 +4,9 @@ Reads a torch.profiler Chrome trace (``export_chrome_trace``; Lightning's ``PyTo
 ``N`` optimizer steps and divides the window, per step, into the GPU's work and its waiting:
 
     compute_ms      kernels other than NCCL's, as a union of intervals (two streams at once count once)
-    nccl_ms         NCCL's kernels; nccl_exposed_ms is the part no compute kernel ran beside
+    nccl_ms         NCCL's kernels; nccl_exposed_ms is the part no compute kernel ran beside, and
+                    exposed_all_gather_ms, exposed_reduce_scatter_ms, exposed_all_reduce_ms that part of each
+                    collective's kernels (a kernel that waits for the other rank counts while it waits)
     gpu_idle_ms     nothing on the GPU (no kernel, copy or memset): the host had not launched the next work yet,
                     or the GPU waited on the other rank
     host_sync_ms    the host blocked in the CUDA runtime waiting for the GPU (synchronizes, blocking copies)
@@ -19,6 +21,7 @@ steps with the device synchronised at both ends (``benchmarks.scaling --trace-st
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 from pathlib import Path
@@ -26,8 +29,10 @@ from typing import Iterable
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
-COLUMNS = ["traced_ms_per_step", "compute_ms", "nccl_ms", "nccl_exposed_ms", "gpu_idle_ms", "host_sync_ms",
-           "launches"]
+# NCCL's kernel names carry the collective (ncclDevKernel_AllGather_RING_LL, ..._ReduceScatter_Sum_bf16_...).
+COLLECTIVES = {"all_gather": "allgather", "reduce_scatter": "reducescatter", "all_reduce": "allreduce"}
+COLUMNS = ["traced_ms_per_step", "compute_ms", "nccl_ms", "nccl_exposed_ms",
+           *(f"exposed_{op}_ms" for op in COLLECTIVES), "gpu_idle_ms", "host_sync_ms", "launches"]
 
 Interval = tuple[float, float]
 
@@ -79,7 +84,8 @@ def summarize(events: list[dict], steps: int) -> dict[str, float]:
         raise ValueError("the trace has no complete events (ph 'X'): was it exported by torch.profiler?")
     window = max(e["ts"] + e["dur"] for e in spans) - min(e["ts"] for e in spans)
     kernels = [e for e in spans if e.get("cat") == "kernel"]
-    nccl = union(_interval(e) for e in kernels if "nccl" in e["name"].lower())
+    nccl_kernels = [e for e in kernels if "nccl" in e["name"].lower()]
+    nccl = union(_interval(e) for e in nccl_kernels)
     compute = union(_interval(e) for e in kernels if "nccl" not in e["name"].lower())
     busy = union(_interval(e) for e in spans if e.get("cat") in GPU_CATEGORIES)
     host = [e for e in spans if e.get("cat") in HOST_CATEGORIES]
@@ -90,6 +96,9 @@ def summarize(events: list[dict], steps: int) -> dict[str, float]:
     row["compute_ms"] = covered(compute) * per_step if gpu_ran else math.nan
     row["nccl_ms"] = covered(nccl) * per_step if gpu_ran else math.nan
     row["nccl_exposed_ms"] = (covered(nccl) - overlap(nccl, compute)) * per_step if gpu_ran else math.nan
+    for op, key in COLLECTIVES.items():
+        ran = union(_interval(e) for e in nccl_kernels if key in e["name"].lower().replace("_", ""))
+        row[f"exposed_{op}_ms"] = (covered(ran) - overlap(ran, compute)) * per_step if gpu_ran else math.nan
     row["gpu_idle_ms"] = (window - covered(busy)) * per_step if gpu_ran else math.nan
     row["host_sync_ms"] = sum(e["dur"] for e in host if _blocks_host(e["name"])) * per_step if host else math.nan
     row["launches"] = sum("LaunchKernel" in e["name"] or e["name"] == "cudaGraphLaunch" for e in host) / steps \
@@ -98,12 +107,16 @@ def summarize(events: list[dict], steps: int) -> dict[str, float]:
 
 
 def summarize_file(path: Path, steps: int) -> dict[str, float]:
-    return summarize(json.loads(Path(path).read_text())["traceEvents"], steps)
+    """``summarize`` of a trace file, JSON or gzipped JSON (``.json.gz``, as torch.profiler exports to that suffix)."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return summarize(json.loads(text)["traceEvents"], steps)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("traces", nargs="+", type=Path, help="Chrome traces (JSON) exported by torch.profiler")
+    parser.add_argument("traces", nargs="+", type=Path,
+                        help="Chrome traces exported by torch.profiler (.json, or .json.gz)")
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps each trace covers")
     args = parser.parse_args(argv)
     if args.steps < 1:

@@ -19,7 +19,8 @@ name with an optional bucket size, init args and environment variables:
 
 With ``--trace-steps N``, each visit then traces N more steps on every rank (torch.profiler, the device's activity)
 and ``NAME_timeline`` says where their time went: GPU compute, NCCL (exposed or beside compute), the GPU idle, the
-host waiting for it (``benchmarks.gpu_timeline``).
+host waiting for it (``benchmarks.gpu_timeline``); the traces stay in ``NAME_traces/`` (gzipped Chrome traces, one
+per visit and rank, for Perfetto or ``python -m benchmarks.gpu_timeline``).
 
 Configurations (``--configs``): ``CONTEXTxBATCH:compiled`` or ``:eager``, the batch per GPU. Rounds visit
 every configuration's setups in turn, ``single`` first, so a scaling is taken against the one-GPU step of
@@ -40,7 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -81,7 +84,7 @@ class WindowTimer(Callback):
     """Times ``segments`` segments of ``steps`` optimizer steps after ``warmup`` untimed ones, synchronising the
     device only at segment boundaries; writes ``rank{r}.json`` (segment milliseconds per step, peak GiB) to
     ``out_dir``. With ``trace_steps``, torch.profiler then records that many more steps (the device's activity:
-    kernels, copies and the CUDA runtime's calls) into ``trace_rank{r}.json``, outside the timed segments."""
+    kernels, copies and the CUDA runtime's calls) into ``trace_rank{r}.json.gz``, outside the timed segments."""
 
     def __init__(self, out_dir: str, warmup: int, steps: int, segments: int, trace_steps: int = 0) -> None:
         super().__init__()
@@ -134,7 +137,7 @@ class WindowTimer(Callback):
             return
         self._profiler.stop()
         self._out_dir.mkdir(parents=True, exist_ok=True)
-        self._profiler.export_chrome_trace(str(self._out_dir / f"trace_rank{trainer.global_rank}.json"))
+        self._profiler.export_chrome_trace(str(self._out_dir / f"trace_rank{trainer.global_rank}.json.gz"))
         self._profiler = None
 
     def _write(self, trainer: L.Trainer, device: torch.device) -> None:
@@ -282,9 +285,21 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
         return run
     run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records))]
     run.peak_GiB = [r["peak_GiB"] for r in sorted(records, key=lambda r: r["rank"])]
-    traces = sorted(timer_dir.glob("trace_rank*.json"), key=lambda path: int(path.stem.removeprefix("trace_rank")))
+    traces = sorted(timer_dir.glob("trace_rank*.json.gz"),
+                    key=lambda path: int(path.name.removeprefix("trace_rank").removesuffix(".json.gz")))
     run.timeline = [gpu_timeline.summarize_file(path, args.trace_steps) for path in traces]
+    keep_traces(run, traces, Path(args.out_dir) / f"{args.name}_traces")
     return run
+
+
+def keep_traces(run: Run, traces: list[Path], folder: Path) -> None:
+    """Move a visit's traces to ``folder`` (one file per rank, named after the visit; Perfetto opens them)."""
+    if not traces:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    visit_name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{run.config.label}_{run.setup.spec}_round{run.round + 1}")
+    for rank, trace in enumerate(traces):
+        shutil.move(trace, folder / f"{visit_name}_rank{rank}.json.gz")
 
 
 def baseline_spec(args: argparse.Namespace) -> str | None:
@@ -366,7 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a visit is stopped")
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="after the timed segments, trace this many steps per rank with torch.profiler and "
-                             "write where their time went (NAME_timeline: GPU compute, NCCL, idle, host waits)")
+                             "write where their time went (NAME_timeline: GPU compute, NCCL, idle, host waits; "
+                             "the traces in NAME_traces/)")
     parser.add_argument("--name", default="scaling", help="results file name (without extension)")
     parser.add_argument("--train-py-flags", type=shlex.split, default=[],
                         help="more train.py flags for every setup, in one string")

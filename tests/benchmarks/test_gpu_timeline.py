@@ -1,3 +1,4 @@
+import gzip
 import json
 import math
 
@@ -40,6 +41,20 @@ def test_a_window_divides_into_compute_link_idle_and_host_waits():
     assert row["launches"] == 1
 
 
+def test_exposed_nccl_time_is_told_apart_by_collective():
+    events = [
+        span("kernel", "sm90_xmma_gemm_bf16", 0, 1000),
+        span("kernel", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 800, 1300),
+        span("kernel", "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 1300, 1500),
+        span("kernel", "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 1500, 1600),
+    ]
+    row = gpu_timeline.summarize(events, steps=1)
+    assert row["exposed_all_gather_ms"] == pytest.approx(0.300)  # 1000-1300: 200 µs of it ran beside the gemm
+    assert row["exposed_reduce_scatter_ms"] == pytest.approx(0.200)
+    assert row["exposed_all_reduce_ms"] == 0
+    assert row["nccl_exposed_ms"] == pytest.approx(0.600)  # the send/recv counts in the total alone
+
+
 def test_a_trace_without_gpu_or_runtime_events_reads_not_a_number_not_zero():
     row = gpu_timeline.summarize([span("cpu_op", "aten::mm", 0, 2000)], steps=1)
     assert row["traced_ms_per_step"] == pytest.approx(2.0)
@@ -51,6 +66,12 @@ def test_nothing_to_read_is_an_error_that_says_so():
         gpu_timeline.summarize([{"ph": "i", "ts": 0}], steps=1)
     with pytest.raises(ValueError, match="steps must be at least 1"):
         gpu_timeline.summarize(EVENTS, steps=0)
+
+
+def test_a_gzipped_trace_reads_as_its_json(tmp_path):
+    trace = tmp_path / "trace_rank0.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": EVENTS}).encode()))
+    assert gpu_timeline.summarize_file(trace, steps=2) == gpu_timeline.summarize(EVENTS, steps=2)
 
 
 def test_the_command_prints_a_row_per_trace(tmp_path, capsys):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from benchmarks import gpu_timeline
 from benchmarks import scaling as bench
 
 
@@ -79,6 +80,15 @@ def test_cpu_run_through_train_py_fills_the_table(tmp_path):
         ("zero3+compute_dtype=bf16", "0"), ("zero3+compute_dtype=bf16", "1")]
     for _, _, row in traced:
         assert float(row["traced_ms_per_step"]) > 0 and row["gpu_idle_ms"] == "nan"
+    # The traces themselves stay, a file per visit and rank, each the window the table read.
+    kept = sorted(path.name for path in (out / "scaling_traces").iterdir())
+    assert kept == ["ctx16_2_eager_bucketed_ddp_1_round1_rank0.json.gz",
+                    "ctx16_2_eager_bucketed_ddp_1_round1_rank1.json.gz", "ctx16_2_eager_single_round1_rank0.json.gz",
+                    "ctx16_2_eager_zero3_compute_dtype_bf16_round1_rank0.json.gz",
+                    "ctx16_2_eager_zero3_compute_dtype_bf16_round1_rank1.json.gz"]
+    single = gpu_timeline.summarize_file(out / "scaling_traces" / kept[2], steps=1)
+    table_row = next(row for setup, _, row in traced if setup == "single")
+    assert single["traced_ms_per_step"] == pytest.approx(float(table_row["traced_ms_per_step"]))
 
 
 @pytest.mark.slow
