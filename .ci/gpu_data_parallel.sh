@@ -21,6 +21,9 @@
 #             measurement that divides its gap between host and link (scaling's --trace-steps: on 2 x H200, 2026-11-27,
 #             the slower rank's host); the traces come back in traces.tar, and the table now splits the exposed
 #             NCCL time by collective (not yet run)
+#   zero3_prefetch  eager 512 x 4, two rounds, two steps traced after each visit: one GPU, zero3 at its default (the
+#             next unit's all-gather started ahead) and with --trainer.strategy.prefetch 3 (three units ahead: the
+#             trace of 2026-11-27 had each rank's all-gathers waiting for the other's host; not yet run)
 #   compile_runs  compiled 1024 x 8, one round: one GPU, bucketed_ddp with --model.compile buckets (a graph per run of
 #             blocks sharing a bucket: 14 runs of xl at 1000 MB instead of 48 block graphs; its first visit compiles
 #             four graph sizes, hence the longer visit limit) and at its default, per block (0.5-0.7% faster on 2 x H200, 2026-11-27)
@@ -83,6 +86,9 @@ for stage in "${STAGES[@]}"; do
     trace)
         TRACE_STEPS=2 scaling trace 512x4:eager 1 single zero3 bucketed_ddp
         ;;
+    zero3_prefetch)
+        TRACE_STEPS=2 scaling zero3_prefetch 512x4:eager 2 single zero3 zero3+prefetch=3
+        ;;
     compile_runs)
         RUN_TIMEOUT=400 scaling compile_runs 1024x8:compiled 1 single bucketed_ddp+--model.compile=buckets bucketed_ddp
         ;;
@@ -91,8 +97,8 @@ for stage in "${STAGES[@]}"; do
             --attention sdpa --rounds 6 --out-dir "$OUT/train_step"
         ;;
     *)
-        echo "unknown stage $stage (tests, compiled_tests, resumes, scaling, zero1, eager, trace, compile_runs," \
-            "train_step)"; exit 2
+        echo "unknown stage $stage (tests, compiled_tests, resumes, scaling, zero1, eager, trace, zero3_prefetch," \
+            "compile_runs, train_step)"; exit 2
         ;;
     esac
 done

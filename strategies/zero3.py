@@ -46,6 +46,10 @@ class Zero3Strategy(ContainerDDPStrategy):
     in bf16 too. ``fp32`` gathers float32 weights that autocast casts per operation: the numerics of the
     other strategies, at twice the traffic. ``fp16`` (under ``16-mixed``) gathers fp16.
 
+    ``prefetch``: how many units ahead each unit's all-gather starts (1, the default: the next one; 0: none,
+    each unit gathers as it starts). Each unit more holds one more gathered unit in memory and gives a rank's
+    all-gathers that much longer to wait for a slower rank before its compute needs them.
+
     Checkpoints hold the LightningModule's full (unsharded) state dict and each optimizer's full state
     in the plain optimizer's format, gathered by every rank and saved by rank 0: they resume under zero3
     on any number of devices, or under any other strategy; zero3 loads those of other strategies.
@@ -54,17 +58,22 @@ class Zero3Strategy(ContainerDDPStrategy):
     strategy_name = "zero3"
     strategy_description = "ZeRO-3: FullyShardedDataParallel, parameters, gradients and optimizer state sharded"
 
-    def __init__(self, compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto", **kwargs: Any) -> None:
+    def __init__(self, compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto", prefetch: int = 1,
+                 **kwargs: Any) -> None:
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r} "
                              "(--strategy zero3: --trainer.strategy.compute_dtype)")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be a whole number of units, 0 or more, got {prefetch!r} "
+                             "(--strategy zero3: --trainer.strategy.prefetch)")
         super().__init__(**kwargs)
         self._compute_dtype = compute_dtype
+        self._prefetch = prefetch
 
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
         dtype = resolve_compute_dtype(self._compute_dtype, str(self.precision_plugin.precision))
-        return FullyShardedDataParallel(module, compute_dtype=dtype, **comm)
+        return FullyShardedDataParallel(module, compute_dtype=dtype, prefetch=self._prefetch, **comm)
 
     @property
     def _sharded(self) -> Optional[FullyShardedDataParallel]:

@@ -36,7 +36,8 @@ RESUMED = ["bucketed_ddp", "zero1", "zero3", ZERO1_ALL_REDUCE]
 FUSED = "--trainer.callbacks+=tests.fused_adamw.FusedAdamWOnCPU"  # fused AdamW clips inside its step
 # Three blocks in three buckets of 80 kB: compiled as a run of two blocks (one graph) and one of one.
 COMPILED_RUNS = "bucketed_ddp --model.compile buckets --model.num_layers 3 --trainer.strategy.bucket_size_mb 0.08"
-STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp", f"bucketed_ddp {FUSED}", f"zero3 {FUSED}", COMPILED_RUNS]
+ZERO3_PREFETCH_2 = f"zero3 {FUSED} --trainer.strategy.prefetch 2"  # all-gathers started two units ahead
+STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp", f"bucketed_ddp {FUSED}", ZERO3_PREFETCH_2, COMPILED_RUNS]
 
 
 @pytest.fixture(scope="module")

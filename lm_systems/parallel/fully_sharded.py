@@ -58,8 +58,9 @@ class FullyShardedDataParallel(DataParallelModule):
     are gathered again; after it, the full gradients are reduce-scattered (summed; in ``grad_comm_dtype``
     if given, else in the dtype they were computed in) and freed. The next unit's all-gather is started
     ahead of time (in forward, the order of the previous forward; in backward, the reverse of this
-    one's), and a unit's reduce-scatter is waited for only after the next one is launched, so the
-    collectives overlap compute. ``finish_gradient_synchronization()`` waits for the last ones and writes
+    one's), ``prefetch`` units ahead (0: each unit gathers as it starts), and a unit's reduce-scatter is
+    waited for only after the next one is launched, so the collectives overlap compute. Deeper prefetch
+    holds more gathered units at once and lets a rank's all-gathers wait longer for a slower rank. ``finish_gradient_synchronization()`` waits for the last ones and writes
     the mean over ranks into the shards' ``.grad`` (master dtype); frozen parameters are sharded and
     gathered but get no gradients; a parameter no rank produced a gradient for keeps ``grad = None``.
 
@@ -76,9 +77,12 @@ class FullyShardedDataParallel(DataParallelModule):
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  unit_types: Iterable[type[nn.Module]] | None = None, process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None) -> None:
+                 grad_comm_dtype: torch.dtype | None = None, prefetch: int = 1) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be 0 (no prefetch) or more units ahead, got {prefetch}")
         super().__init__(module, process_group, grad_comm_dtype)
         self.compute_dtype = compute_dtype
+        self.prefetch = prefetch
         unit_modules = _outermost(module, tuple(unit_types) if unit_types is not None else default_unit_types())
         for prefix, unit in unit_modules:
             if compiled_whole(unit):
@@ -118,8 +122,9 @@ class FullyShardedDataParallel(DataParallelModule):
             self._forward_order.append(unit)
             unit.gather()
             predicted = self._predicted
-            if position + 1 < len(predicted) and predicted[: position + 1] == self._forward_order:
-                predicted[position + 1].start_gather()
+            if self.prefetch and position + 1 < len(predicted) and predicted[: position + 1] == self._forward_order:
+                for ahead in predicted[position + 1 : position + 1 + self.prefetch]:
+                    ahead.start_gather()
             plain = not kwargs and all(isinstance(arg, torch.Tensor) for arg in args)  # a block's call: no pytree
             leaves, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
             if self.compute_dtype is not None:
@@ -166,8 +171,9 @@ class FullyShardedDataParallel(DataParallelModule):
         unit.gather()
         order = self._forward_order
         position = len(order) - 1 - order[::-1].index(unit) if unit in order else 0
-        if position > 0 and order[position - 1] in self._awaiting_backward:
-            order[position - 1].start_gather()
+        for ahead in order[max(0, position - self.prefetch) : position][::-1]:  # the nearest first
+            if ahead in self._awaiting_backward:
+                ahead.start_gather()
 
     def _post_backward(self, unit: ShardedUnit) -> None:
         if unit not in self._awaiting_backward:

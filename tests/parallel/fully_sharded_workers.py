@@ -142,10 +142,11 @@ class CollectiveLog:
             hook.remove()
 
 
-def train_sharded(rank: int, dtype_name: str, compiled: bool = False) -> dict:
+def train_sharded(rank: int, dtype_name: str, compiled: bool = False, prefetch: int = 1) -> dict:
     """Rank-seeded ShardToy (the wrapper broadcasts rank 0's), two micro-batches per step (the first under
     no_sync), clipped at CLIP; what the tests compare. ``compiled``: every unit's forward torch.compiled (as
-    ``TransformerLM.compile_blocks`` does), its gather and free hooks left outside the graph."""
+    ``TransformerLM.compile_blocks`` does), its gather and free hooks left outside the graph. ``prefetch``: units
+    whose all-gather starts ahead."""
     dtype = COMPUTE_DTYPES[dtype_name]
     torch.manual_seed(100 + rank)
     toy = ShardToy()
@@ -153,7 +154,7 @@ def train_sharded(rank: int, dtype_name: str, compiled: bool = False) -> dict:
         for module in toy.modules():
             if isinstance(module, default_unit_types()):
                 module.forward = torch.compile(module.forward, backend="aot_eager")  # graph capture, no codegen: quick
-    model = FullyShardedDataParallel(toy, compute_dtype=dtype)
+    model = FullyShardedDataParallel(toy, compute_dtype=dtype, prefetch=prefetch)
     initial = {name: value.clone() for name, value in model.gather_full_params().items()}
     optimizer = make_optimizer(model.module.parameters())
     report = {"norms": [], "logs": []}
@@ -193,6 +194,7 @@ def run_fully_sharded(rank: int, world_size: int, port: int, out_dir: str) -> No
     try:
         runs = {name: train_sharded(rank, name) for name in COMPUTE_DTYPES}
         runs["fp32_compiled"] = train_sharded(rank, "fp32", compiled=True)
+        runs["fp32_prefetch"] = {depth: train_sharded(rank, "fp32", prefetch=depth) for depth in (0, 2, 9)}
         runs["memory"] = resident_bytes_after_training(rank)
         torch.save(runs, Path(out_dir) / f"fully_sharded_rank{rank}.pt")
     finally:

@@ -92,6 +92,25 @@ def test_the_next_units_gather_is_launched_before_this_unit_computes(runs):
     assert sync[:first_compute].count("all_gather") == 2, sync
 
 
+@pytest.mark.parametrize("depth", [0, 2, 9])
+def test_prefetch_depth_moves_the_gathers_not_the_numbers(runs, depth):
+    """``prefetch`` units ahead: before the first unit computes, its own all-gather and ``depth`` more (at most the
+    five units after it); in backward, before the last unit's reduce-scatter, its own and ``depth`` more (the five
+    before it). The arithmetic is the default's, bit for bit."""
+    run = runs[0]["fp32_prefetch"][depth]
+    _, sync = run["logs"][1]
+    assert sync[: sync.index("forward embed")].count("all_gather") == 1 + min(depth, 5), sync
+    backward = sync[sync.index("forward head") :]
+    assert backward[: backward.index("reduce_scatter")].count("all_gather") == 1 + min(depth, 5), backward
+    for name, value in runs[0]["fp32"]["final"].items():
+        assert torch.equal(run["final"][name], value), name
+
+
+def test_prefetch_must_not_be_negative(single_rank_group):
+    with pytest.raises(ValueError, match="prefetch must be 0"):
+        FullyShardedDataParallel(ShardToy(), prefetch=-1)
+
+
 def test_teardown_leaves_full_parameters_and_no_hooks(runs):
     for rank in range(2):
         run = runs[rank]["fp32"]

@@ -93,6 +93,12 @@ def test_bad_compute_dtype_names_the_option():
         strategies.Zero3Strategy(compute_dtype="int8")
 
 
+@pytest.mark.parametrize("prefetch", [-1, 1.5, True])
+def test_bad_prefetch_names_the_option(prefetch):
+    with pytest.raises(ValueError, match="--trainer.strategy.prefetch"):
+        strategies.Zero3Strategy(prefetch=prefetch)
+
+
 @pytest.mark.parametrize("choice, precision, expected", [
     ("auto", "bf16-mixed", torch.bfloat16), ("auto", "bf16-true", torch.bfloat16), ("auto", "16-mixed", None),
     ("auto", "32-true", None), ("fp32", "bf16-mixed", None), ("bf16", "32-true", torch.bfloat16),
