@@ -24,6 +24,10 @@
 #   zero3_prefetch  eager 512 x 4, two rounds, two steps traced after each visit: one GPU, zero3 at its default (the
 #             next unit's all-gather started ahead) and with --trainer.strategy.prefetch 3 (three units ahead: the
 #             trace of 2026-11-27 had each rank's all-gathers waiting for the other's host; not yet run)
+#   host_pair  eager 512 x 4, one GPU, alone and with a second one-GPU run beside it on the other GPU (no
+#             communication between them), twice in turn: whether two processes on the host slow each one's
+#             host-bound step, the part of the eager gap no strategy can remove (bucketed_ddp's own host work is
+#             ~1.4 ms a step in a CPU probe; its two-GPU eager step ran 30 ms over one GPU's; not yet run)
 #   compile_runs  compiled 1024 x 8, one round: one GPU, bucketed_ddp with --model.compile buckets (a graph per run of
 #             blocks sharing a bucket: 14 runs of xl at 1000 MB instead of 48 block graphs; its first visit compiles
 #             four graph sizes, hence the longer visit limit) and at its default, per block (0.5-0.7% faster on 2 x H200, 2026-11-27)
@@ -89,6 +93,14 @@ for stage in "${STAGES[@]}"; do
     zero3_prefetch)
         TRACE_STEPS=2 scaling zero3_prefetch 512x4:eager 2 single zero3 zero3+prefetch=3
         ;;
+    host_pair)
+        for turn in 1 2; do
+            CUDA_VISIBLE_DEVICES=0 scaling "host_alone$turn" 512x4:eager 1 single
+            CUDA_VISIBLE_DEVICES=0 scaling "host_beside$turn" 512x4:eager 1 single &
+            CUDA_VISIBLE_DEVICES=1 scaling "host_other$turn" 512x4:eager 1 single
+            wait
+        done
+        ;;
     compile_runs)
         RUN_TIMEOUT=400 scaling compile_runs 1024x8:compiled 1 single bucketed_ddp+--model.compile=buckets bucketed_ddp
         ;;
@@ -98,7 +110,7 @@ for stage in "${STAGES[@]}"; do
         ;;
     *)
         echo "unknown stage $stage (tests, compiled_tests, resumes, scaling, zero1, eager, trace, zero3_prefetch," \
-            "compile_runs, train_step)"; exit 2
+            "host_pair, compile_runs, train_step)"; exit 2
         ;;
     esac
 done
