@@ -50,3 +50,4 @@ for stage in "${STAGES[@]}"; do
     esac
 done
 cat "$OUT/summary.txt"
+bundle_if_many "$OUT"

@@ -115,3 +115,4 @@ for stage in "${STAGES[@]}"; do
     esac
 done
 cat "$OUT/summary.txt"
+bundle_if_many "$OUT"

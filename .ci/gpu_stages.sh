@@ -12,3 +12,11 @@ run() {  # run STAGE_NAME SECONDS COMMAND...: log to $OUT/STAGE_NAME.log, print 
     local code=$?
     echo "== $name: exit $code after $((SECONDS - start)) s wall" | tee -a "$OUT/summary.txt"
 }
+
+bundle_if_many() {  # bundle_if_many DIR: the device tool brings back at most 8 files; past that, one tar of them all
+    local dir=$1
+    if [ "$(find "$dir" -type f | wc -l)" -gt 8 ]; then
+        tar -C "$dir" -cf /tmp/results.tar . && find "$dir" -mindepth 1 -delete && mv /tmp/results.tar "$dir/"
+        echo "more than 8 files: bundled into $dir/results.tar"
+    fi
+}
