@@ -28,6 +28,9 @@
 #             communication between them), twice in turn: whether two processes on the host slow each one's
 #             host-bound step, the part of the eager gap no strategy can remove (bucketed_ddp's own host work is
 #             ~1.4 ms a step in a CPU probe; its two-GPU eager step ran 30 ms over one GPU's; not yet run)
+#   interference  compiled 1024 x 8, one round, traced: one GPU, bucketed_ddp, and with bf16 gradients on the wire
+#             (half NCCL's time, plus the casts): whether backward's slowdown beside NCCL falls as the 2026-11-27
+#             CTA sweep's line (~8 ms plus ~0.2 ms per ms of NCCL) says (not yet run)
 #   compile_runs  compiled 1024 x 8, one round: one GPU, bucketed_ddp with --model.compile buckets (a graph per run of
 #             blocks sharing a bucket: 14 runs of xl at 1000 MB instead of 48 block graphs; its first visit compiles
 #             four graph sizes, hence the longer visit limit) and at its default, per block (0.5-0.7% faster on 2 x H200, 2026-11-27)
@@ -93,6 +96,9 @@ for stage in "${STAGES[@]}"; do
     zero3_prefetch)
         TRACE_STEPS=2 scaling zero3_prefetch 512x4:eager 2 single zero3 zero3+prefetch=3
         ;;
+    interference)
+        TRACE_STEPS=2 scaling interference 1024x8:compiled 1 single bucketed_ddp bucketed_ddp+grad_comm_dtype=bf16
+        ;;
     host_pair)
         for turn in 1 2; do
             CUDA_VISIBLE_DEVICES=0 scaling "host_alone$turn" 512x4:eager 1 single
@@ -110,7 +116,7 @@ for stage in "${STAGES[@]}"; do
         ;;
     *)
         echo "unknown stage $stage (tests, compiled_tests, resumes, scaling, zero1, eager, trace, zero3_prefetch," \
-            "host_pair, compile_runs, train_step)"; exit 2
+            "host_pair, interference, compile_runs, train_step)"; exit 2
         ;;
     esac
 done
