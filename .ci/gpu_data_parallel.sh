@@ -19,7 +19,7 @@
 #   trace     eager 512 x 4, one GPU, zero3 and bucketed_ddp, each followed by two steps traced on every rank: where
 #             zero3's eager step goes (GPU compute, NCCL exposed, GPU idle while the host launches, host waits), the
 #             measurement that divides its gap between host and link (scaling's --trace-steps: on 2 x H200, 2026-11-27,
-#             the slower rank's host); the traces come back in traces.tar, and the table now splits the exposed
+#             the slower rank's host); the traces come back (in results.tar past 8 files), and the table splits the exposed
 #             NCCL time by collective (not yet run)
 #   zero3_prefetch  eager 512 x 4, two rounds, two steps traced after each visit: one GPU, zero3 at its default (the
 #             next unit's all-gather started ahead) and with --trainer.strategy.prefetch 3 (three units ahead: the
@@ -58,9 +58,6 @@ scaling() {  # scaling NAME CONFIG ROUNDS SETUPS... (in the environment, TRACE_S
     run "$name" 560 python -m benchmarks.scaling --devices 2 --size xl --configs "$config" --attention sdpa \
         --setups "$@" --rounds "$rounds" --warmup 8 --steps 5 --segments 2 --run-timeout "${RUN_TIMEOUT:-200}" \
         --out-dir "$OUT/$name" --trace-steps "${TRACE_STEPS:-0}"
-    if [ -d "$OUT/$name/scaling_traces" ]; then  # one file back from the device for all of them
-        tar -C "$OUT/$name" -cf "$OUT/$name/traces.tar" scaling_traces && rm -r "$OUT/$name/scaling_traces"
-    fi
 }
 
 for stage in "${STAGES[@]}"; do

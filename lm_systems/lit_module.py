@@ -306,7 +306,7 @@ class LitLM(L.LightningModule):
                 self.log("train/skipped_steps", self._nonfinite.skipped_steps.float())
 
     def _clip_grad_norm(self, max_norm: float, in_step: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Scale the gradients to a global norm of at most ``max_norm``; the norm before clipping, and None.
+        """Scale the gradients to a global norm of at most ``max_norm``: the norm before clipping, and None.
 
         ``in_step`` (the optimizer ``can_scale_in_step``): the gradients are left as they are, and the divisor
         ``max(1, norm / max_norm)`` is returned for the step to apply inside the update's own pass over them (one
