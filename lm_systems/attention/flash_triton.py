@@ -13,6 +13,7 @@ j <= i + N_k - N_q); a query that sees no key gets a zero output and L = -inf.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -32,6 +33,12 @@ PREPROCESS_BLOCK = 64  # rows per program of the memory-bound D = rowsum(dO ∘ 
 # the tail of a launch holds only short programs; tiles-first grids (tiles, B·H) keep fewer heads' K and
 # V in flight, which pays at d = 128 (an A/B of the two orders on an H100 set the threshold).
 HEADS_FIRST_MAX_HEAD_DIM = 64
+# The backward passes load their tiles through tensor descriptors (TMA) on GPUs of compute capability 9 (Hopper)
+# and newer. Set to "0" for pointer loads everywhere, "1" for descriptors wherever the layout allows, the CPU
+# interpreter included.
+TMA_ENV = "LM_SYSTEMS_FLASH_TMA"
+TMA_MIN_CAPABILITY = 9
+TMA_ALIGNMENT = 16  # bytes: a descriptor's base address and row strides
 
 
 def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -87,13 +94,44 @@ def _grid(n: int, block: str, batch_heads: int, heads_first: bool):
     return grid
 
 
+def tma_loads(tensors: tuple[torch.Tensor, ...], addresses_known: bool) -> bool:
+    """Whether the backward passes load tiles of these (B, H, N, d) views through tensor descriptors: on a GPU that
+    has TMA (or as ``TMA_ENV`` says), for a power-of-two head dim whose rows and (batch, head) offsets are 16-byte
+    aligned. ``addresses_known``: the tensors are real (eager); under torch.compile only their storage offsets are
+    known, and the buffers Inductor allocates are aligned."""
+    setting = os.environ.get(TMA_ENV, "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"{TMA_ENV} must be 0, 1 or unset (auto), got {setting!r}")
+    q = tensors[0]
+    if setting == "0" or (setting == "auto" and not (
+            q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= TMA_MIN_CAPABILITY)):
+        return False
+    d = q.shape[-1]
+    if d != triton.next_power_of_2(d):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        offsets = (*t.stride()[:3], t.storage_offset())
+        if t.stride(2) <= 0 or any(offset * size % TMA_ALIGNMENT for offset in offsets):
+            return False
+        if addresses_known and t.data_ptr() % TMA_ALIGNMENT:
+            return False
+    return True
+
+
+def _descriptor_scratch(device: torch.device):
+    """Triton's allocator for the global memory a kernel that builds tensor descriptors asks for at launch."""
+    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
+
+
 class _Kernels(NamedTuple):
-    """The four kernels of one launch path."""
+    """The four kernels of one launch path; ``eager``: launched with real tensors (not traced by torch.compile)."""
 
     fwd: Any
     preprocess: Any
     dkdv: Any
     dq: Any
+    eager: bool
 
 
 # Eager calls launch each kernel through its TunedKernel once per launch key (its tile config tuned once per
@@ -103,9 +141,9 @@ class _Kernels(NamedTuple):
 # machine) and launches them from its generated code, without the dispatcher round trip or Triton's Python
 # autotuner and launcher on every call.
 _EAGER_KERNELS = _Kernels(*(CachedLaunch(kernel) for kernel in (
-    TUNED["fwd"], attn_bwd_preprocess_kernel, TUNED["dkdv"], TUNED["dq"])))
+    TUNED["fwd"], attn_bwd_preprocess_kernel, TUNED["dkdv"], TUNED["dq"])), eager=True)
 _TRACED_KERNELS = _Kernels(*(wrap_triton(kernel) for kernel in (
-    AUTOTUNED["fwd"], attn_bwd_preprocess_kernel, AUTOTUNED["dkdv"], AUTOTUNED["dq"])))
+    AUTOTUNED["fwd"], attn_bwd_preprocess_kernel, AUTOTUNED["dkdv"], AUTOTUNED["dq"])), eager=False)
 
 
 def _forward(
@@ -135,6 +173,10 @@ def _backward(
     n_k = k4.shape[2]
     dims = _kernel_dims(d, n_q, n_k)
     sm_scale = 1.0 / math.sqrt(d)
+    tma = tma_loads((q4, k4, v4, do4), addresses_known=kernels.eager)
+    if tma and kernels.eager and not interpreting():
+        # Per call: Triton keeps the allocator per thread, and backward runs on autograd's. Inductor sets its own.
+        triton.set_allocator(_descriptor_scratch(q.device))
 
     delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
     kernels.preprocess[(triton.cdiv(n_q, PREPROCESS_BLOCK), batch * heads)](
@@ -149,12 +191,12 @@ def _backward(
     kernels.dkdv[_grid(n_k, "BLOCK_N", batch * heads, dims["HEADS_FIRST"])](
         q4, k4, v4, do4, lse, delta, dk4, dv4,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk4), *_strides(dv4),
-        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
+        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, TMA=tma, **dims,
     )
     kernels.dq[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
         q4, k4, v4, do4, lse, delta, dq4,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq4),
-        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, **dims,
+        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, TMA=tma, **dims,
     )
     return dq, dk, dv
 

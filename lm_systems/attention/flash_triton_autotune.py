@@ -62,6 +62,7 @@ INTERPRETER_CONFIG = {
     "dkdv": triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1),
 }
 AUTOTUNE_KEY = ["N_Q_KEY", "N_K_KEY", "HEAD_DIM", "CAUSAL"]
+BACKWARD_AUTOTUNE_KEY = [*AUTOTUNE_KEY, "TMA"]  # the tiles loaded through descriptors tune apart
 
 
 # Fixed when the kernels are defined: triton.jit builds interpreted kernels iff TRITON_INTERPRET=1 then.
@@ -119,15 +120,16 @@ def _pruner_for_inductor(kind: str):
 # What names the kernels' source in a tuning cache entry: an edit to either kernel file tunes again.
 KERNEL_SOURCE = fingerprint([Path(module.__file__).read_text() for module in (flash_triton_forward,
                                                                               flash_triton_backward)])
-_KERNELS = {"fwd": (FWD_CONFIGS, attn_fwd_kernel), "dq": (DQ_CONFIGS, attn_bwd_dq_kernel),
-            "dkdv": (DKDV_CONFIGS, attn_bwd_dkdv_kernel)}
+_KERNELS = {"fwd": (FWD_CONFIGS, attn_fwd_kernel, AUTOTUNE_KEY),
+            "dq": (DQ_CONFIGS, attn_bwd_dq_kernel, BACKWARD_AUTOTUNE_KEY),
+            "dkdv": (DKDV_CONFIGS, attn_bwd_dkdv_kernel, BACKWARD_AUTOTUNE_KEY)}
 # Eager launches: tuned once per machine (TunedKernel consults the tuning cache itself).
-TUNED = {kind: TunedKernel(kernel, configs, AUTOTUNE_KEY, partial(_fitting, kind), KERNEL_SOURCE)
-         for kind, (configs, kernel) in _KERNELS.items()}
+TUNED = {kind: TunedKernel(kernel, configs, key, partial(_fitting, kind), KERNEL_SOURCE)
+         for kind, (configs, kernel, key) in _KERNELS.items()}
 # Launches from torch.compile's graphs (wrap_triton takes a triton.jit or triton.autotune kernel).
-AUTOTUNED = {kind: triton.autotune(configs, key=AUTOTUNE_KEY,
+AUTOTUNED = {kind: triton.autotune(configs, key=key,
                                    prune_configs_by={"early_config_prune": _pruner_for_inductor(kind)})(kernel)
-             for kind, (configs, kernel) in _KERNELS.items()}
+             for kind, (configs, kernel, key) in _KERNELS.items()}
 
 
 def tuned_configs() -> dict[str, dict[tuple, str]]:

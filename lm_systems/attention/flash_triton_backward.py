@@ -5,6 +5,11 @@ of storing it, and split the work so that every output tile has one owner: a dK/
 key tile and walks the query tiles that see it, a dQ program holds a query tile and walks the key
 tiles it sees. No atomics, no second accumulation buffer. As in the forward, causal tiles are
 visited in stages so that only tiles crossing the diagonal (or the ragged end) are masked.
+
+With ``TMA`` the passes load their q, k, v, dO tiles through tensor descriptors (on Hopper, the TMA unit
+copies a whole tile to shared memory, zero past the sequence's end) instead of a pointer per element. The
+caller sets it only where descriptors can address the tensors: a power-of-two head dim (no padding) and
+16-byte aligned rows (``flash_triton.tma_loads``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,30 @@ from lm_systems.attention.flash_triton_forward import (
     _program_tile,
     _store_rows,
 )
+
+
+@triton.jit
+def _tile_source(X, n_rows, stride_n, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TMA: tl.constexpr):
+    """Where a (BLOCK, HEAD_DIM) tile of X's rows is loaded from: a tensor descriptor, or X's pointer itself."""
+    if TMA:
+        source = tl.make_tensor_descriptor(X, shape=[n_rows, HEAD_DIM], strides=[stride_n, 1],
+                                           block_shape=[BLOCK, HEAD_DIM])
+    else:
+        source = X
+    return source
+
+
+@triton.jit
+def _load_tile(source, start, stride_n, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               BLOCK: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Rows [start, start + BLOCK) of a ``_tile_source``, zero past ``n_rows`` (if MASKED) and past HEAD_DIM."""
+    if TMA:
+        tile = source.load([start, 0])
+    else:
+        rows = start + tl.arange(0, BLOCK)
+        tile = _load_rows(source + rows[:, None] * stride_n + offs_d[None, :], rows, n_rows, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+    return tile
 
 
 @triton.jit(do_not_specialize=["num_heads", "n_q"])
@@ -41,15 +70,14 @@ def attn_bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, st
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d, lo, hi, n_q, n_k, qk_scale,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_source, do_source, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d, lo, hi, n_q,
+                n_k, qk_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
-        q = _load_rows(Q + rows[:, None] * stride_qn + offs_d[None, :], rows, n_q, offs_d,
-                       HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        q = _load_tile(q_source, start_m, stride_qn, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, MASKED, TMA)
         if MASKED:
             lse2 = tl.load(LSE + rows, mask=rows < n_q, other=0.0) * LOG2_E
         else:
@@ -63,8 +91,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, 
                 visible = visible & (offs_n[:, None] <= rows[None, :] + (n_k - n_q))
             # where, not multiply: a row that sees no key has L = -inf and exp2 gave inf there.
             p_t = tl.where(visible, p_t, 0.0)
-        do = _load_rows(DO + rows[:, None] * stride_don + offs_d[None, :], rows, n_q, offs_d,
-                        HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        do = _load_tile(do_source, start_m, stride_don, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, MASKED, TMA)
         # -- dV += Pᵀ dO
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=FP32_DOT_PRECISION)
         # -- dSᵀ = Pᵀ ∘ (dPᵀ − D), dK += dSᵀ Q (the softmax scale is applied once, at the end)
@@ -85,7 +112,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                          stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                          num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr):
     """One program: BLOCK_N keys of one (batch, head); walks every query tile that sees them."""
     tile, _, bh = _program_tile(HEADS_FIRST)
     start_n = tile * BLOCK_N
@@ -102,10 +129,12 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    k = _load_rows(K + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, n_k, offs_d,
-                   HEAD_DIM, HEAD_DIM_PAD, True)
-    v = _load_rows(V + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, n_k, offs_d,
-                   HEAD_DIM, HEAD_DIM_PAD, True)
+    k = _load_tile(_tile_source(K, n_k, stride_kn, HEAD_DIM, BLOCK_N, TMA), start_n, stride_kn, n_k, offs_d,
+                   HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, TMA)
+    v = _load_tile(_tile_source(V, n_k, stride_vn, HEAD_DIM, BLOCK_N, TMA), start_n, stride_vn, n_k, offs_d,
+                   HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, TMA)
+    q_source = _tile_source(Q, n_q, stride_qn, HEAD_DIM, BLOCK_M, TMA)
+    do_source = _tile_source(DO, n_q, stride_don, HEAD_DIM, BLOCK_M, TMA)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor passes a Python float as fp64
@@ -123,17 +152,17 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         diag_start = 0
         unmasked_start = 0
     # stage 1: query tiles crossing the diagonal, masked
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_source, do_source, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
                          diag_start, tl.minimum(unmasked_start, ceil_end), n_q, n_k, qk_scale,
-                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, True)
+                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, True, TMA)
     # stage 2: query tiles that see the whole key tile, no mask
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_source, do_source, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
                          unmasked_start, full_end, n_q, n_k, qk_scale,
-                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, False)
+                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, False, TMA)
     # stage 3: the ragged last query tile, masked (empty when stage 1 already reached it)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_source, do_source, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
                          tl.maximum(unmasked_start, full_end), ceil_end, n_q, n_k, qk_scale,
-                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, True)
+                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, True, TMA)
 
     _store_rows(DK + offs_n[:, None] * stride_dkn + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
                 offs_n, n_k, offs_d, HEAD_DIM, HEAD_DIM_PAD)
@@ -142,17 +171,15 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, lo, hi, n_q, n_k, qk_scale,
-              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+def _dq_inner(dq, q, do, lse2, delta, k_source, v_source, stride_kn, stride_vn, offs_m, offs_d, lo, hi, n_q, n_k,
+              qk_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kn + offs_d[None, :], cols, n_k, offs_d,
-                       HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        v = _load_rows(V + cols[:, None] * stride_vn + offs_d[None, :], cols, n_k, offs_d,
-                       HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        k = _load_tile(k_source, start_n, stride_kn, n_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, MASKED, TMA)
+        v = _load_tile(v_source, start_n, stride_vn, n_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, MASKED, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=FP32_DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
@@ -174,7 +201,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                        stride_dqb, stride_dqh, stride_dqn,
                        num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head); walks every key tile they see."""
     # Last query tiles first: under a causal mask they have the most keys to visit, and starting the
     # longest programs first leaves short ones, not long ones, for the tail of the launch.
@@ -192,10 +219,12 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    q = _load_rows(Q + offs_m[:, None] * stride_qn + offs_d[None, :], offs_m, n_q, offs_d,
-                   HEAD_DIM, HEAD_DIM_PAD, True)
-    do = _load_rows(DO + offs_m[:, None] * stride_don + offs_d[None, :], offs_m, n_q, offs_d,
-                    HEAD_DIM, HEAD_DIM_PAD, True)
+    q = _load_tile(_tile_source(Q, n_q, stride_qn, HEAD_DIM, BLOCK_M, TMA), start_m, stride_qn, n_q, offs_d,
+                   HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, TMA)
+    do = _load_tile(_tile_source(DO, n_q, stride_don, HEAD_DIM, BLOCK_M, TMA), start_m, stride_don, n_q, offs_d,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, TMA)
+    k_source = _tile_source(K, n_k, stride_kn, HEAD_DIM, BLOCK_N, TMA)
+    v_source = _tile_source(V, n_k, stride_vn, HEAD_DIM, BLOCK_N, TMA)
     # Rows past n_q read L = D = 0: their P is finite and, with dO = 0, their dS is zero.
     lse2 = tl.load(LSE + offs_m, mask=offs_m < n_q, other=0.0) * LOG2_E
     delta = tl.load(DELTA + offs_m, mask=offs_m < n_q, other=0.0)
@@ -204,10 +233,10 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     qk_scale = sm_scale * LOG2_E
 
     unmasked_end, masked_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, 0, unmasked_end,
-                   n_q, n_k, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, False)
-    dq = _dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, offs_m, offs_d, unmasked_end, masked_end,
-                   n_q, n_k, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, True)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_source, v_source, stride_kn, stride_vn, offs_m, offs_d, 0, unmasked_end,
+                   n_q, n_k, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, False, TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_source, v_source, stride_kn, stride_vn, offs_m, offs_d, unmasked_end,
+                   masked_end, n_q, n_k, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, True, TMA)
 
     _store_rows(DQ + offs_m[:, None] * stride_dqn + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
                 offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD)

@@ -13,7 +13,8 @@ if sys.platform != "linux":  # triton is a dependency on Linux only; there a bro
 
 from attention_reference import reference_attention, rel_error  # noqa: E402
 from test_flash_triton import BOUNDS, _check_against_reference, _grads, _inputs  # noqa: E402
-from lm_systems.attention.flash_triton import _EAGER_KERNELS, FlashAttention2Triton  # noqa: E402
+from lm_systems.attention import flash_triton  # noqa: E402
+from lm_systems.attention.flash_triton import _EAGER_KERNELS, TMA_ENV, FlashAttention2Triton, tma_loads  # noqa: E402
 from lm_systems.attention.flash_triton_autotune import AUTOTUNE_ENV  # noqa: E402
 from lm_systems.attention.tuning_cache import CACHE_ENV  # noqa: E402
 from lm_systems.config import ModelConfig  # noqa: E402
@@ -74,9 +75,32 @@ def test_repeated_eager_calls_through_the_launch_cache_match_float64_reference()
         _check_against_reference(*_inputs(lead, 257, 257, d, dtype), True)
 
 
-def test_works_inside_torch_compile():
+@pytest.mark.parametrize("d", [80, 64])  # 64: on Hopper the backward's descriptor loads, launched by Inductor
+def test_works_inside_torch_compile(d):
     compiled = torch.compile(FlashAttention2Triton.apply, fullgraph=True)
-    _check_against_reference(*_inputs((2, 3), 1000, 1000, 80, torch.bfloat16), True, fn=compiled)
+    _check_against_reference(*_inputs((2, 3), 1000, 1000, d, torch.bfloat16), True, fn=compiled)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="tensor-descriptor (TMA) loads are the default from compute capability 9 (Hopper)")
+@pytest.mark.parametrize("setting", ["auto", "0"])
+def test_hopper_backward_loads_through_descriptors_by_default(setting, monkeypatch):
+    """The long shapes above run the descriptor loads where the head dim allows; this pins that they do, and that
+    the pointer loads (``LM_SYSTEMS_FLASH_TMA=0``) still match on the same GPU."""
+    chosen = []
+
+    def recording(tensors, addresses_known):
+        chosen.append(tma_loads(tensors, addresses_known))
+        return chosen[-1]
+
+    monkeypatch.setattr(flash_triton, "tma_loads", recording)
+    if setting == "0":
+        monkeypatch.setenv(TMA_ENV, "0")
+    else:
+        monkeypatch.delenv(TMA_ENV, raising=False)
+    _check_against_reference(*_inputs((1, 4), 777, 1531, 64, torch.bfloat16), True)
+    _check_against_reference(*_inputs((1, 2), 1000, 1000, 128, torch.float16), False)
+    assert chosen == [setting == "auto"] * 2
 
 
 def _copy_task_batches(steps: int, batch: int, half: int, vocab: int, generator: torch.Generator):
