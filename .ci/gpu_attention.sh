@@ -3,6 +3,8 @@
 #   tune      the tuning cache: one process tunes the headline shapes, a second reads them (both timed)
 #   headline  python -m benchmarks.attention --mode headline (B1 H16 N16384 bf16 causal, d 64 and 128,
 #             flash_triton compiled and eager against SDPA flash and cuDNN, interleaved), with the tuned cache
+#   pointer_loads  the same with LM_SYSTEMS_FLASH_TMA=0: the backward's pointer loads, against headline's descriptor
+#             (TMA) loads on Hopper (each run against its own cuDNN; on an H200, 2026-11-27: d64 0.856 against 0.875)
 #   tests     the gpu-marked attention tests (float64 references; the autotuned headline shapes)
 #   long      medium at context 8192 through train.py, flash_triton against sdpa (benchmarks.scaling)
 #
@@ -33,6 +35,10 @@ for stage in "${STAGES[@]}"; do
     headline)
         run headline 180 python -m benchmarks.attention --mode headline --rounds 3 --out-dir "$OUT/results"
         ;;
+    pointer_loads)
+        LM_SYSTEMS_FLASH_TMA=0 run headline_pointer_loads 200 python -m benchmarks.attention --mode headline --rounds 3 \
+            --out-dir "$OUT/results_pointer_loads"
+        ;;
     tests)  # after tune: the autotuned headline-shape tests read this machine's tuning cache
         run gpu_tests 240 python -m pytest -q -m gpu tests/attention -p no:cacheprovider \
             --junitxml="$OUT/gpu_attention_tests.xml"
@@ -45,7 +51,7 @@ for stage in "${STAGES[@]}"; do
             --run-timeout 140 --out-dir "$OUT/results"
         ;;
     *)
-        echo "unknown stage $stage (tune, headline, tests, long)"; exit 2
+        echo "unknown stage $stage (tune, headline, pointer_loads, tests, long)"; exit 2
         ;;
     esac
 done

@@ -20,17 +20,20 @@
 #             zero3's eager step goes (GPU compute, NCCL exposed, GPU idle while the host launches, host waits), the
 #             measurement that divides its gap between host and link (scaling's --trace-steps: on 2 x H200, 2026-11-27,
 #             the slower rank's host); the traces come back (in results.tar past 8 files), and the table splits the exposed
-#             NCCL time by collective (not yet run)
+#             NCCL time by collective
 #   zero3_prefetch  eager 512 x 4, two rounds, two steps traced after each visit: one GPU, zero3 at its default (the
 #             next unit's all-gather started ahead) and with --trainer.strategy.prefetch 3 (three units ahead: the
-#             trace of 2026-11-27 had each rank's all-gathers waiting for the other's host; not yet run)
+#             trace of 2026-11-27 had each rank's all-gathers waiting for the other's host; on 2 x H100, 2026-11-27 12:41:
+#             0.728 against the default's 0.672 scaling)
 #   host_pair  eager 512 x 4, one GPU, alone and with a second one-GPU run beside it on the other GPU (no
 #             communication between them), twice in turn: whether two processes on the host slow each one's
 #             host-bound step, the part of the eager gap no strategy can remove (bucketed_ddp's own host work is
-#             ~1.4 ms a step in a CPU probe; its two-GPU eager step ran 30 ms over one GPU's; not yet run)
+#             ~1.4 ms a step in a CPU probe; its two-GPU eager step ran 30 ms over one GPU's; on 2 x H100, 2026-11-27
+#             12:47: the slower of two at once ran 0.80 and 0.88 of one alone)
 #   interference  compiled 1024 x 8, one round, traced: one GPU, bucketed_ddp, and with bf16 gradients on the wire
 #             (half NCCL's time, plus the casts): whether backward's slowdown beside NCCL falls as the 2026-11-27
-#             CTA sweep's line (~8 ms plus ~0.2 ms per ms of NCCL) says (not yet run)
+#             CTA sweep's line (~8 ms plus ~0.2 ms per ms of NCCL) says (2 x H100, 2026-11-27 12:51: NCCL halved, the
+#             casts added more than the slowdown gave back, 260.0 against 256.9 ms)
 #   compile_runs  compiled 1024 x 8, one round: one GPU, bucketed_ddp with --model.compile buckets (a graph per run of
 #             blocks sharing a bucket: 14 runs of xl at 1000 MB instead of 48 block graphs; its first visit compiles
 #             four graph sizes, hence the longer visit limit) and at its default, per block (0.5-0.7% faster on 2 x H200, 2026-11-27)
