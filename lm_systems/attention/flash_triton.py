@@ -12,6 +12,7 @@ j <= i + N_k - N_q); a query that sees no key gets a zero output and L = -inf.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, NamedTuple
@@ -103,8 +104,7 @@ def tma_loads(tensors: tuple[torch.Tensor, ...], addresses_known: bool) -> bool:
     if setting not in ("auto", "0", "1"):
         raise ValueError(f"{TMA_ENV} must be 0, 1 or unset (auto), got {setting!r}")
     q = tensors[0]
-    if setting == "0" or (setting == "auto" and not (
-            q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= TMA_MIN_CAPABILITY)):
+    if setting == "0" or (setting == "auto" and not (q.is_cuda and _has_tma(q.device))):
         return False
     d = q.shape[-1]
     if d != triton.next_power_of_2(d):
@@ -119,19 +119,24 @@ def tma_loads(tensors: tuple[torch.Tensor, ...], addresses_known: bool) -> bool:
     return True
 
 
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= TMA_MIN_CAPABILITY
+
+
+@functools.cache
 def _descriptor_scratch(device: torch.device):
     """Triton's allocator for the global memory a kernel that builds tensor descriptors asks for at launch."""
     return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
 
 
 class _Kernels(NamedTuple):
-    """The four kernels of one launch path; ``eager``: launched with real tensors (not traced by torch.compile)."""
+    """The four kernels of one launch path."""
 
     fwd: Any
     preprocess: Any
     dkdv: Any
     dq: Any
-    eager: bool
 
 
 # Eager calls launch each kernel through its TunedKernel once per launch key (its tile config tuned once per
@@ -141,9 +146,9 @@ class _Kernels(NamedTuple):
 # machine) and launches them from its generated code, without the dispatcher round trip or Triton's Python
 # autotuner and launcher on every call.
 _EAGER_KERNELS = _Kernels(*(CachedLaunch(kernel) for kernel in (
-    TUNED["fwd"], attn_bwd_preprocess_kernel, TUNED["dkdv"], TUNED["dq"])), eager=True)
+    TUNED["fwd"], attn_bwd_preprocess_kernel, TUNED["dkdv"], TUNED["dq"])))
 _TRACED_KERNELS = _Kernels(*(wrap_triton(kernel) for kernel in (
-    AUTOTUNED["fwd"], attn_bwd_preprocess_kernel, AUTOTUNED["dkdv"], AUTOTUNED["dq"])), eager=False)
+    AUTOTUNED["fwd"], attn_bwd_preprocess_kernel, AUTOTUNED["dkdv"], AUTOTUNED["dq"])))
 
 
 def _forward(
@@ -173,8 +178,9 @@ def _backward(
     n_k = k4.shape[2]
     dims = _kernel_dims(d, n_q, n_k)
     sm_scale = 1.0 / math.sqrt(d)
-    tma = tma_loads((q4, k4, v4, do4), addresses_known=kernels.eager)
-    if tma and kernels.eager and not interpreting():
+    eager = kernels is _EAGER_KERNELS  # real tensors; the traced ones are torch.compile's fakes
+    tma = tma_loads((q4, k4, v4, do4), addresses_known=eager)
+    if tma and eager and not interpreting():
         # Per call: Triton keeps the allocator per thread, and backward runs on autograd's. Inductor sets its own.
         triton.set_allocator(_descriptor_scratch(q.device))
 
