@@ -100,6 +100,7 @@ class FullyShardedDataParallel(DataParallelModule):
         self._presence = GradPresence(self._replicated, process_group) if self._replicated else None
         self._forward_order: list[ShardedUnit] = []  # this forward's units, as they ran
         self._predicted: list[ShardedUnit] = []  # the previous forward's, for prefetching
+        self._as_predicted = True  # this forward's units so far ran in the predicted order
         self._awaiting_backward: dict[ShardedUnit, None] = {}
         self._reductions: deque[PendingReduction] = deque()
         self._end_of_backward_queued = False
@@ -115,6 +116,7 @@ class FullyShardedDataParallel(DataParallelModule):
             unit.drop_prefetch()
         if self._forward_order:
             self._predicted, self._forward_order = self._forward_order, []
+        self._as_predicted = True
         return self.module(*args, **kwargs)
 
     def _pre_forward_hook(self, unit: ShardedUnit):
@@ -123,7 +125,8 @@ class FullyShardedDataParallel(DataParallelModule):
             self._forward_order.append(unit)
             unit.gather()
             predicted = self._predicted
-            if self.prefetch and position + 1 < len(predicted) and predicted[: position + 1] == self._forward_order:
+            self._as_predicted = self._as_predicted and position < len(predicted) and predicted[position] is unit
+            if self.prefetch and self._as_predicted:
                 for ahead in predicted[position + 1 : position + 1 + self.prefetch]:
                     ahead.start_gather()
             plain = not kwargs and all(isinstance(arg, torch.Tensor) for arg in args)  # a block's call: no pytree
