@@ -1,0 +1,93 @@
+"""Activation checkpointing: every policy gives the gradients of keeping everything, and keeps less for backward."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lm_systems.config import ModelConfig
+from lm_systems.model import TransformerLM
+from lm_systems.recompute import RECOMPUTE_POLICIES
+
+CONFIG = dict(vocab_size=61, context_length=24, d_model=32, num_layers=3, num_heads=4, d_ff=72, attention="sdpa")
+
+
+def _model(policy: str, **overrides) -> TransformerLM:
+    torch.manual_seed(0)
+    return TransformerLM(ModelConfig(activation_checkpointing=policy, **{**CONFIG, **overrides})).double()
+
+
+def _loss_and_grads(model: TransformerLM, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+class _Outputs(TorchDispatchMode):
+    """Weak references to every tensor an operation makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def _kept_bytes(model: TransformerLM, tokens: torch.Tensor) -> int:
+    """Bytes still held, once the forward has returned, by tensors the forward made: what waits for backward."""
+    spy = _Outputs()
+    with spy:
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    gc.collect()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for ref in spy.made
+                if (t := ref()) is not None and t is not loss}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("policy", ["blocks", "selective"])
+def test_recomputing_gives_the_gradients_of_keeping_everything(policy):
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 17))
+    loss, grads = _loss_and_grads(_model("none"), tokens)
+    recomputed_loss, recomputed_grads = _loss_and_grads(_model(policy), tokens)
+    torch.testing.assert_close(recomputed_loss, loss, rtol=0, atol=0)
+    for name, grad in grads.items():  # float64: the same operations again, up to the order of additions
+        torch.testing.assert_close(recomputed_grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_each_policy_keeps_less_for_backward():
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 25))
+    kept = {policy: _kept_bytes(_model(policy), tokens) for policy in RECOMPUTE_POLICIES}
+    assert kept["blocks"] < kept["selective"] < kept["none"]
+    # Each block more: "blocks" keeps its input alone, one (B, T, D) float64; the others keep far more.
+    deeper = {policy: _kept_bytes(_model(policy, num_layers=CONFIG["num_layers"] + 2), tokens)
+              for policy in RECOMPUTE_POLICIES}
+    per_block = {policy: (deeper[policy] - kept[policy]) / 2 for policy in RECOMPUTE_POLICIES}
+    assert per_block["blocks"] == 2 * 24 * CONFIG["d_model"] * 8
+    # "selective" drops at least the SwiGLU's elementwise outputs (silu and the product, (B, T, d_ff) each).
+    assert per_block["none"] - per_block["selective"] >= 2 * 2 * 24 * CONFIG["d_ff"] * 8
+
+
+@pytest.mark.parametrize("policy", ["blocks", "selective"])
+def test_recomputing_inside_a_compiled_block_gives_the_same_gradients(policy):
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 17))
+    compiled = {}
+    for name in ("none", policy):
+        model = _model(name)
+        model.compile_blocks()
+        compiled[name] = _loss_and_grads(model, tokens)[1]
+    for name, grad in compiled["none"].items():  # RMSNorm's float32 statistics: float32-level differences
+        torch.testing.assert_close(compiled[policy][name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_an_unknown_policy_names_the_flag():
+    with pytest.raises(ValueError, match="--model.activation_checkpointing"):
+        ModelConfig(activation_checkpointing="everything", **CONFIG)
