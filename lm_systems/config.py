@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from lm_systems.attention import attention_names
+from lm_systems.recompute import RECOMPUTE_POLICIES
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,20 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     attention: str = "auto"
     """Attention implementation by name (``lm_systems.attention.attention_names()``)."""
+    activation_checkpointing: str = "none"
+    """What backward recomputes instead of keeping: none, blocks or selective (``lm_systems.recompute``)."""
+    fused_loss: bool = True
+    """The LM head and cross-entropy over chunks of tokens, never holding every position's logits
+    (``lm_systems.loss``); False computes the logits, then the cross-entropy."""
 
     def __post_init__(self) -> None:
         if self.attention not in attention_names():  # checked here only: the model and the registry trust it
             raise ValueError(
                 f"unknown attention {self.attention!r} (set --model.attention to one of: {', '.join(attention_names())})"
             )
+        if self.activation_checkpointing not in RECOMPUTE_POLICIES:
+            raise ValueError(f"unknown activation checkpointing {self.activation_checkpointing!r} (set "
+                             f"--model.activation_checkpointing to one of: {', '.join(RECOMPUTE_POLICIES)})")
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--model.{name} must be positive, got {getattr(self, name)}")
@@ -67,4 +76,7 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "large": ModelConfig(d_model=1280, num_layers=36, num_heads=20, d_ff=5120),
     "xl": ModelConfig(d_model=1600, num_layers=48, num_heads=25, d_ff=6400),
     "2.7b": ModelConfig(d_model=2560, num_layers=32, num_heads=32, d_ff=10240),
+    # The CS336 2026 leaderboard's 8B shape (vocab 151,936; context 32,768).
+    "8b": ModelConfig(vocab_size=151_936, context_length=32_768, d_model=4096, num_layers=34, num_heads=32,
+                      d_ff=11_008),
 }

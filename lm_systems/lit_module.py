@@ -7,7 +7,6 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
@@ -36,7 +35,7 @@ class LitLM(L.LightningModule):
     ``load_from_checkpoint`` calls before loading the weights. Outside both, call ``configure_model()`` yourself.
 
     Args:
-        size: named model size (tiny, small, medium, large, xl, 2.7b).
+        size: named model size (tiny, small, medium, large, xl, 2.7b, 8b).
         vocab_size: rows of the embedding and LM head; None takes the data's tokenizer vocabulary.
         context_length: longest sequence; None takes the size's default. The data windows follow it.
         d_model: override the size's model width.
@@ -45,6 +44,11 @@ class LitLM(L.LightningModule):
         d_ff: override the size's feed-forward width.
         rope_theta: override the RoPE base (10,000 by default).
         attention: attention implementation (auto, naive, sdpa, flash_torch, flash_triton).
+        activation_checkpointing: what backward recomputes instead of keeping: "none"; "blocks" (each Transformer
+            block's input only, the block run again in backward: the least memory, one more forward); "selective"
+            (matmul and attention outputs kept, the elementwise work between them recomputed).
+        fused_loss: the LM head and cross-entropy over chunks of tokens, never holding every position's logits
+            (at vocabulary V and N tokens the plain loss holds N × V float32 logits and their gradient).
         lr: peak learning rate, reached after warm-up.
         min_lr_ratio: the cosine decays to lr × min_lr_ratio.
         warmup_steps: optimizer steps of linear warm-up.
@@ -77,6 +81,8 @@ class LitLM(L.LightningModule):
         d_ff: Optional[int] = None,
         rope_theta: Optional[float] = None,
         attention: str = "auto",
+        activation_checkpointing: Literal["none", "blocks", "selective"] = "none",
+        fused_loss: bool = True,
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 30,
@@ -101,6 +107,7 @@ class LitLM(L.LightningModule):
         self._config = ModelConfig.from_name(
             size, context_length=context_length, d_model=d_model, num_layers=num_layers,
             num_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta, attention=attention, vocab_size=vocab_size,
+            activation_checkpointing=activation_checkpointing, fused_loss=fused_loss,
         )
         self.model: TransformerLM | None = None
         self.flops_per_batch: float | None = None
@@ -249,8 +256,7 @@ class LitLM(L.LightningModule):
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
-        logits = self.model(inputs)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.model(inputs, targets)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

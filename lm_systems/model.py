@@ -1,6 +1,7 @@
 """TransformerLM: pre-norm decoder with RMSNorm, RoPE and SwiGLU. Plain PyTorch: no Lightning, no distributed.
 
-Classes bottom-up: RMSNorm → RotaryEmbedding → CausalSelfAttention → SwiGLU → TransformerBlock → TransformerLM.
+Classes bottom-up: RMSNorm → RotaryEmbedding → CausalSelfAttention → SwiGLU → TransformerBlock → LMHead →
+TransformerLM.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 
 from lm_systems.attention import get_attention
 from lm_systems.config import ModelConfig
+from lm_systems.loss import fused_linear_cross_entropy
 from lm_systems.nvtx import nvtx_range
+from lm_systems.recompute import run_with_recompute
 
 
 def _init_linear(layer: nn.Linear) -> None:
@@ -93,7 +96,8 @@ class SwiGLU(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(·))."""
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(·)); its activations kept for backward as the config's
+    ``activation_checkpointing`` says (recomputed inside this call, so hooks on the block run once)."""
 
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
@@ -101,10 +105,31 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(config, rope)
         self.ffn_norm = RMSNorm(config.d_model)
         self.ffn = SwiGLU(config.d_model, config.d_ff)
+        self.recompute = config.activation_checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_with_recompute(self._residual_branches, x, self.recompute)
+
+    def _residual_branches(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         return x + self.ffn(self.ffn_norm(x))
+
+
+class LMHead(nn.Linear):
+    """The output projection: logits, or given the targets, their mean cross-entropy, computed over chunks of
+    tokens without every position's logits where ``fused`` (``lm_systems.loss``). The loss is computed inside this
+    module's call, so a sharding container's hooks on it gather its weight for it."""
+
+    def __init__(self, d_model: int, vocab_size: int, fused: bool) -> None:
+        super().__init__(d_model, vocab_size, bias=False)
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)  # (..., V)
+        if self.fused:
+            return fused_linear_cross_entropy(x.flatten(0, -2), self.weight, targets.flatten())
+        return F.cross_entropy(super().forward(x).flatten(0, -2).float(), targets.flatten())
 
 
 def _run_blocks(blocks: tuple[TransformerBlock, ...], x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +148,7 @@ class TransformerLM(nn.Module):
         self.embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(config, rope) for _ in range(config.num_layers))
         self.final_norm = RMSNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.d_model, config.vocab_size, config.fused_loss)
         # compile_blocks(runs=...): (index of the first block, the run's blocks) per run, and the compiled runner
         self._runs: Optional[list[tuple[int, tuple[TransformerBlock, ...]]]] = None
         self._run_compiled: Optional[Callable[[tuple[TransformerBlock, ...], torch.Tensor], torch.Tensor]] = None
@@ -137,8 +162,8 @@ class TransformerLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens`` (B, T) int → logits (B, T, vocab_size)."""
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tokens`` (B, T) int → logits (B, T, vocab_size); with ``targets`` (B, T), their mean cross-entropy."""
         T = tokens.shape[-1]
         if T > self.config.context_length:
             raise ValueError(
@@ -154,7 +179,7 @@ class TransformerLM(nn.Module):
             for first, blocks in self._runs:
                 with nvtx_range(f"blocks_{first}-{first + len(blocks) - 1}"):
                     x = self._run_compiled(blocks, x)
-        return self.lm_head(self.final_norm(x))  # (B, T, V)
+        return self.lm_head(self.final_norm(x), targets)  # (B, T, V) or ()
 
     def compile_blocks(self, runs: Optional[Sequence[int]] = None, **compile_options: Any) -> None:
         """torch.compile each block's forward in place (regional compilation; ``compile_options`` go to torch.compile).
@@ -171,7 +196,11 @@ class TransformerLM(nn.Module):
         one graph fuses away, for a run's gradients all arriving as its backward ends
         (``lm_systems.parallel.runs_within_buckets`` picks runs that delay no gradient bucket). Runs of one size
         share a graph. Blocks called inside a graph run their hooks inside it: not for a sharding container.
+
+        The plain loss (``fused_loss`` off) is compiled with the head, as the head's forward.
         """
+        if not self.config.fused_loss:  # the logits' cast, softmax and loss as fused kernels (the fused loss runs eager)
+            self.lm_head.forward = torch.compile(self.lm_head.forward, **compile_options)
         if runs is None:
             for block in self.blocks:
                 block.forward = torch.compile(block.forward, **compile_options)
@@ -189,14 +218,15 @@ class TransformerLM(nn.Module):
         return n - self.embedding.weight.numel() if exclude_embedding else n
 
     def flops_per_token(self, context_length: int | None = None) -> float:
-        """Training FLOPs per token: 6 × matmul parameters + 12 · layers · T · d_model for attention.
+        """Training FLOPs per token: 6 × matmul parameters + 6 · layers · T · d_model for causal attention.
 
-        The attention term counts the full T×T score matrix (the PaLM / Chinchilla convention), so
-        MFU is comparable with published figures; a causal kernel does about half of that work.
+        Attention's score and value products take 4 · T · d_model FLOPs per token and layer over the whole T × T
+        matrix, three times that with backward; a causal model needs the half at or below the diagonal. Model FLOPs:
+        recomputation (activation checkpointing, the attention backward's) earns no credit.
         """
         c = self.config
         T = context_length or c.context_length
         matmul_params = self.num_parameters(exclude_embedding=True) - sum(
             m.weight.numel() for m in self.modules() if isinstance(m, RMSNorm)
         )
-        return 6.0 * matmul_params + 12.0 * c.num_layers * T * c.d_model
+        return 6.0 * matmul_params + 6.0 * c.num_layers * T * c.d_model

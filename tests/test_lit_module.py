@@ -238,7 +238,7 @@ def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
     """So each one is settable from the command line (--model.<field>) and reaches the model: a value for every
     field, none of them tiny's, makes exactly that ModelConfig; unset ones keep the named size's."""
     values = dict(vocab_size=123, context_length=48, d_model=96, num_layers=3, num_heads=3, d_ff=200,
-                  rope_theta=500.0, attention="naive")
+                  rope_theta=500.0, attention="naive", activation_checkpointing="blocks", fused_loss=False)
     assert set(values) == {f.name for f in fields(ModelConfig)}, "give the new ModelConfig field a value here"
     tiny = MODEL_SIZES["tiny"]
     assert all(getattr(tiny, name) != value for name, value in values.items())
