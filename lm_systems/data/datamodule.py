@@ -19,6 +19,7 @@ from lm_systems.data.checksums import sidecar_damage
 from lm_systems.data.corpus import CorpusSource, LazyCorpus, iter_texts, resolve_corpus
 from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_token_cache, token_cache_entry
 from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
+from lm_systems.data.synthetic import SyntheticTrainStream, SyntheticValidation
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
 from lm_systems.errors import InputError
 
@@ -56,6 +57,9 @@ class LMDataModule(L.LightningDataModule):
         seed: seeds the training windows (with rank and batch index) and the generated stories.
         text_column: column holding the text in .jsonl / .parquet / saved / hub corpora.
         generated_stories: number of stories in the ``generated`` corpus.
+        synthetic: uniform random token ids in [0, vocab_size) instead of a corpus: no tokenizer, no cache, any
+            vocabulary and context, deterministic by seed. For timing steps and smoke tests; the loss stays near
+            ln(vocab_size) (``lm_systems.data.synthetic``).
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class LMDataModule(L.LightningDataModule):
         seed: int = 1234,
         text_column: str = "text",
         generated_stories: int = 10_000,
+        synthetic: bool = False,
     ) -> None:
         super().__init__()
         positive = {"context_length": context_length, "batch_size": batch_size, "val_batches": val_batches}
@@ -102,25 +107,28 @@ class LMDataModule(L.LightningDataModule):
         self.seed = seed
         self.text_column = text_column
         self.generated_stories = generated_stories
+        self.synthetic = synthetic
         # Checked now so a typo fails before any model is built; nothing is read yet.
-        self._source: CorpusSource = resolve_corpus(corpus, self.cache_dir, generated_stories, seed)
+        self._source: CorpusSource | None = (
+            None if synthetic else resolve_corpus(corpus, self.cache_dir, generated_stories, seed))
         self._prepared: PreparedData | None = None
         self._train_start_batch = 0
 
     # -- what the model side reads ---------------------------------------------------------
 
     @property
-    def tokenizer(self) -> Tokenizer:
-        return self._prepare().tokenizer
+    def tokenizer(self) -> Optional[Tokenizer]:
+        """The corpus's tokenizer; None for synthetic tokens."""
+        return None if self.synthetic else self._prepare().tokenizer
 
     @property
     def vocab_size(self) -> int:
-        """The tokenizer's actual vocabulary (prepares the data on first use)."""
-        return self._prepare().tokenizer.get_vocab_size()
+        """The tokenizer's actual vocabulary (prepares the data on first use); synthetic ids: ``--data.vocab_size``."""
+        return self.target_vocab_size if self.synthetic else self._prepare().tokenizer.get_vocab_size()
 
     @property
-    def eot_id(self) -> int:
-        return self._prepare().tokenizer.token_to_id(END_OF_TEXT)
+    def eot_id(self) -> Optional[int]:
+        return None if self.synthetic else self._prepare().tokenizer.token_to_id(END_OF_TEXT)
 
     @property
     def token_splits(self) -> TokenSplits:
@@ -130,11 +138,19 @@ class LMDataModule(L.LightningDataModule):
     # -- Lightning hooks -------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        self._prepare()
+        if not self.synthetic:
+            self._prepare()
 
     def setup(self, stage: str) -> None:
-        counts = self._prepare().tokens.meta["tokens"]
         _, world_size = self._rank_and_world_size()
+        if self.val_batches * self.batch_size < world_size:
+            raise InputError(
+                f"--data.val_batches {self.val_batches} × --data.batch_size {self.batch_size} validation windows "
+                f"cannot give each of {world_size} ranks one: raise --data.val_batches"
+            )
+        if self.synthetic:
+            return
+        counts = self._prepare().tokens.meta["tokens"]
         # train.py links --data.context_length to the model's: the flag to lower there is --model.context_length.
         if counts["train"] < self.context_length + 1:
             raise InputError(
@@ -148,14 +164,12 @@ class LMDataModule(L.LightningDataModule):
                 f"for one window of --data.context_length {self.context_length} + 1 on each of {world_size} ranks: "
                 "lower --model.context_length (which sets it), raise --data.val_fraction or use a larger corpus"
             )
-        if self.val_batches * self.batch_size < world_size:
-            raise InputError(
-                f"--data.val_batches {self.val_batches} × --data.batch_size {self.batch_size} validation windows "
-                f"cannot give each of {world_size} ranks one: raise --data.val_batches"
-            )
 
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self._rank_and_world_size()
+        if self.synthetic:
+            return self._loader(SyntheticTrainStream(self.vocab_size, self.context_length, self.batch_size, self.seed,
+                                                     rank, world_size, start_batch=self._train_start_batch))
         stream = TrainWindowStream(
             self._prepare().tokens.path("train"),
             self.context_length,
@@ -170,6 +184,9 @@ class LMDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         rank, world_size = self._rank_and_world_size()
+        if self.synthetic:
+            return self._loader(SyntheticValidation(self.vocab_size, self.context_length, self.batch_size,
+                                                    self.val_batches * self.batch_size, self.seed, rank, world_size))
         tokens = self._prepare().tokens
         starts = validation_window_starts(
             tokens.meta["tokens"]["validation"], self.context_length, self.val_batches * self.batch_size, world_size
@@ -217,6 +234,8 @@ class LMDataModule(L.LightningDataModule):
         """
         if self._prepared is not None:
             return self._prepared
+        if self._source is None:
+            raise RuntimeError("synthetic data (--data.synthetic true) has no corpus, tokenizer or token cache")
         corpus = LazyCorpus(self._source, self.cache_dir, self.text_column)  # read only if something must be built
         with cache_lock(self.cache_dir):
             tokenizer = self._load_or_train_tokenizer(corpus)

@@ -61,7 +61,7 @@ def checked_ids(batch: torch.Tensor, vocab_size: int | None, tokens_path: str) -
     return batch
 
 
-def _worker_shard() -> tuple[int, int]:
+def worker_shard() -> tuple[int, int]:
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
 
@@ -101,7 +101,7 @@ class TrainWindowStream(IterableDataset):
     def __iter__(self) -> Iterator[torch.Tensor]:
         # Opened here, not in __init__: a memmap pickled into a worker process would be copied whole.
         tokens = np.load(self.tokens_path, mmap_mode="r")
-        worker, num_workers = _worker_shard()
+        worker, num_workers = worker_shard()
         for batch_index in itertools.count(self.start_batch + worker, num_workers):
             yield self.batch(tokens, batch_index)
 
@@ -132,7 +132,7 @@ class ValidationWindows(IterableDataset):
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         tokens = np.load(self.tokens_path, mmap_mode="r")
-        worker, num_workers = _worker_shard()
+        worker, num_workers = worker_shard()
         for batch_index in range(worker, len(self), num_workers):
             starts = self.starts[batch_index * self.batch_size : (batch_index + 1) * self.batch_size]
             yield checked_ids(gather_windows(tokens, starts, self.window), self.vocab_size, self.tokens_path)
