@@ -30,6 +30,7 @@ class RunSummary(L.Callback):
 
     def __init__(self) -> None:
         super().__init__()
+        self._created = time.perf_counter()  # train.py makes its callbacks before preparing data and building the model
         self._reset()
 
     def _reset(self) -> None:
@@ -102,6 +103,10 @@ class RunSummary(L.Callback):
             ("tokens", f"{self._tokens * world:,} ({self._tokens // max(steps, 1) * world:,} a step)"),
             *self._speed(trainer),
         ]
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            lines.append(("memory", f"{peak:.1f} GiB at most allocated on rank 0's GPU (torch.cuda.max_memory_allocated)"))
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "")
         if checkpoint:
             lines.append(("checkpoint", _shown(checkpoint)))
@@ -121,7 +126,13 @@ class RunSummary(L.Callback):
             return [("speed", "not measured: the run took one step (the first, which builds the model, is left out)")]
         seconds = self._train_end - self._timed_from - self._validation_seconds
         tokens_per_s = self._timed_tokens * trainer.world_size / seconds
-        lines = [("speed", f"{tokens_per_s:,.0f} tokens/s (after step 1, validation left out)")]
+        timed_steps = trainer.global_step - self._start_step - 1
+        lines = [
+            ("speed", f"{tokens_per_s:,.0f} tokens/s, {seconds / timed_steps:.3g} s a step (after step 1, validation "
+                      "left out)"),
+            ("first step", f"done {_duration(self._timed_from - self._created)} after start-up (data, model, "
+                           "compiling and tuning included)"),
+        ]
         monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
         if monitor is None:
             return lines

@@ -27,7 +27,11 @@ def test_a_run_and_its_resumption_say_what_they_did_and_where(tmp_path, monkeypa
     assert re.fullmatch(r"4 steps in \d+\.\d s", first["finished"])
     assert re.fullmatch(r"train \d\.\d{3} at step 3, validation \d\.\d{3} at step 3", first["loss"])  # not at 4
     assert first["tokens"] == "128 (32 a step)"  # batch 2 × context 16
-    assert re.fullmatch(r"[\d,]+ tokens/s \(after step 1, validation left out\)", first["speed"])
+    speed = re.fullmatch(r"([\d,]+) tokens/s, ([\d.e-]+) s a step \(after step 1, validation left out\)", first["speed"])
+    tokens_per_s, seconds_a_step = float(speed[1].replace(",", "")), float(speed[2])
+    assert tokens_per_s * seconds_a_step == pytest.approx(32, rel=0.01)  # the same timed steps, 32 tokens each
+    assert re.fullmatch(r"done \d+\.\d s after start-up \(data, model, compiling and tuning included\)",
+                        first["first step"])
     assert first["MFU"] == "unknown: no peak FLOP/s known for cpu (MFUMonitor's peak_flops_per_s sets one)"
     assert first["checkpoint"] == "logs/lm_systems/version_0/checkpoints/last.ckpt"
 
