@@ -61,7 +61,10 @@ from typing_extensions import override
 
 from benchmarks import gpu_timeline
 from benchmarks.report import argument_parser, write_results
+from lm_systems.attention.tuning_cache import CACHE_ENV
+from lm_systems.compat.lightning import compute_dtype
 from lm_systems.config import MODEL_SIZES
+from lm_systems.hardware import peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGY_CLASSES = {
@@ -92,6 +95,7 @@ class WindowTimer(Callback):
         self._trace_steps = trace_steps
         self._segment_ms: list[float] = []
         self._started = 0.0
+        self._timed_from_unix = 0.0
         self._profiler: torch.profiler.profile | None = None
 
     @override
@@ -109,6 +113,7 @@ class WindowTimer(Callback):
             torch.cuda.synchronize(device)
         now = time.perf_counter()
         if step == self._warmup:
+            self._timed_from_unix = time.time()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         else:
@@ -143,8 +148,11 @@ class WindowTimer(Callback):
     def _write(self, trainer: L.Trainer, device: torch.device) -> None:
         peak = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else float("nan")
         self._out_dir.mkdir(parents=True, exist_ok=True)
+        flops = getattr(trainer.lightning_module, "flops_per_batch", None)
         record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "segment_ms": self._segment_ms,
-                  "peak_GiB": peak}
+                  "peak_GiB": peak, "timed_from_unix": self._timed_from_unix,
+                  "flops_per_step": flops * trainer.accumulate_grad_batches if flops else None,
+                  "peak_flops": peak_flops(device, compute_dtype(trainer))}
         (self._out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -223,6 +231,8 @@ class Run:
     segment_ms: list[float] = field(default_factory=list)
     peak_GiB: list[float] = field(default_factory=list)
     timeline: list[dict[str, float]] = field(default_factory=list)  # per rank, with --trace-steps
+    first_timed_s: float = float("nan")  # from the launch to the first timed step's start
+    mfu: float | None = None  # model FLOPs of a step per GPU over the step time, per the device's dense peak
     error: str = ""
 
     @property
@@ -272,8 +282,9 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
     run = Run(config, setup, round_)
     timer_dir = workdir / f"visit{len(list(workdir.glob('visit*.log')))}"
     command = train_py_command(config, setup, args, workdir, timer_dir)
-    env = {**os.environ, **dict(setup.env)}
+    env = {**os.environ, **dict(setup.env), **(cold_caches(workdir / f"{timer_dir.name}_caches") if args.cold_caches else {})}
     log = timer_dir.with_suffix(".log")
+    launched = time.time()
     with log.open("w") as out:
         code = run_in_own_group(command, env, out, args.run_timeout)
     records = [json.loads(path.read_text()) for path in sorted(timer_dir.glob("rank*.json"))]
@@ -285,11 +296,27 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
         return run
     run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records))]
     run.peak_GiB = [r["peak_GiB"] for r in sorted(records, key=lambda r: r["rank"])]
+    run.first_timed_s = max(r["timed_from_unix"] for r in records) - launched
+    run.mfu = model_flops_utilisation(records[0], run.ms)
     traces = sorted(timer_dir.glob("trace_rank*.json.gz"),
                     key=lambda path: int(path.name.removeprefix("trace_rank").removesuffix(".json.gz")))
     run.timeline = [gpu_timeline.summarize_file(path, args.trace_steps) for path in traces]
     keep_traces(run, traces, Path(args.out_dir) / f"{args.name}_traces")
     return run
+
+
+def model_flops_utilisation(record: dict[str, Any], ms_per_step: float) -> float | None:
+    """A rank's model FLOPs a step over the step's time and its device's dense peak; None where either is unknown."""
+    if not record.get("flops_per_step") or not record.get("peak_flops"):
+        return None
+    return record["flops_per_step"] / (ms_per_step / 1e3) / record["peak_flops"]
+
+
+def cold_caches(folder: Path) -> dict[str, str]:
+    """Environment variables that point every compile and tuning cache of a run at a new, empty folder: Triton's
+    kernels, Inductor's graphs and this project's kernel tuning, as on a machine that never ran it."""
+    names = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", CACHE_ENV: "tuning"}
+    return {variable: str(folder / name) for variable, name in names.items()}
 
 
 def keep_traces(run: Run, traces: list[Path], folder: Path) -> None:
@@ -340,7 +367,9 @@ def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
                            tokens_per_s=devices * config.batch_size * config.context / ms * 1e3,
                            scaling=statistics.median(scaling) if scaling else "",
                            over_baseline=statistics.median(over_base) if over_base else "",
-                           peak_GiB_per_rank=max(max(run.peak_GiB) for run in done))
+                           peak_GiB_per_rank=max(max(run.peak_GiB) for run in done),
+                           mfu=statistics.median(run.mfu for run in done) if all(run.mfu for run in done) else "",
+                           first_timed_s=max(run.first_timed_s for run in done))
             errors = [run.error for run in mine if run.error]
             row["error"] = errors[-1] if errors else ""
             table.append(row)
@@ -348,7 +377,7 @@ def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
 
 
 COLUMNS = ["config", "setup", "devices", "rounds", "ms_per_step", "min_ms", "max_ms", "tokens_per_s", "scaling",
-           "over_baseline", "peak_GiB_per_rank", "error"]
+           "over_baseline", "peak_GiB_per_rank", "mfu", "first_timed_s", "error"]
 TIMELINE_COLUMNS = ["config", "setup", "round", "rank", *gpu_timeline.COLUMNS]
 
 
@@ -383,6 +412,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="after the timed segments, trace this many steps per rank with torch.profiler and "
                              "write where their time went (NAME_timeline: GPU compute, NCCL, idle, host waits; "
                              "the traces in NAME_traces/)")
+    parser.add_argument("--cold-caches", action="store_true",
+                        help="every visit starts from empty Triton, Inductor and kernel-tuning caches (first_timed_s "
+                             "is then the time a new machine takes to its first timed step)")
     parser.add_argument("--name", default="scaling", help="results file name (without extension)")
     parser.add_argument("--train-py-flags", type=shlex.split, default=[],
                         help="more train.py flags for every setup, in one string")
@@ -408,7 +440,10 @@ def main(argv: list[str] | None = None) -> None:
              "ms_per_step: median over rounds of each visit's median segment (the slowest rank's); scaling: the "
              "same round's one-GPU step over this one (median over rounds); over_baseline: this step over "
              f"{baseline_spec(args) or 'the baseline'}'s in the same round (median over rounds); peak_GiB_per_rank: "
-             "the largest rank's allocator peak.")
+             "the largest rank's allocator peak over the timed steps; mfu: the model's FLOPs a step per GPU (causal "
+             "attention, recomputation not counted) over the step time and the device's dense peak; first_timed_s: "
+             "seconds from the launch to the first timed step (the slowest visit)"
+             f"{', every visit from empty compile and tuning caches' if args.cold_caches else ''}.")
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
         workdir = Path(tmp)
         for round_ in range(args.rounds):

@@ -6,6 +6,7 @@ import csv
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,19 @@ def test_ratios_are_taken_within_each_round_then_the_median():
     assert rows["bucketed_ddp"]["over_baseline"] == pytest.approx(sorted([110 / 100, 250 / 200, 120 / 100])[1])
 
 
+def test_cold_caches_point_every_cache_at_a_new_folder(tmp_path):
+    env = bench.cold_caches(tmp_path / "visit0_caches")
+    assert set(env) == {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "LM_SYSTEMS_TUNING_CACHE"}
+    assert all(Path(folder).parent == tmp_path / "visit0_caches" and not Path(folder).exists() for folder in env.values())
+    assert len(set(env.values())) == 3
+
+
+def test_mfu_is_the_model_flops_of_a_step_over_its_time_and_the_peak():
+    record = {"flops_per_step": 2.64e15, "peak_flops": 989e12}
+    assert bench.model_flops_utilisation(record, 5000.0) == pytest.approx(2.64e15 / 5.0 / 989e12)
+    assert bench.model_flops_utilisation({**record, "peak_flops": None}, 5000.0) is None  # a CPU: no peak known
+
+
 def test_a_baseline_must_be_one_of_the_setups():
     with pytest.raises(SystemExit):
         bench.parse_args(["--setups", "single", "--baseline", "ddp:25"])
@@ -62,13 +76,15 @@ def test_cpu_run_through_train_py_fills_the_table(tmp_path):
     out = tmp_path / "out"
     bench.main(["--size", "tiny", "--configs", "16x2:eager", "--accelerator", "cpu", "--precision", "32-true",
                 "--setups", "single", "bucketed_ddp:1", "zero3+compute_dtype=bf16", "--warmup", "1", "--steps", "2",
-                "--segments", "2", "--trace-steps", "1", "--out-dir", str(out),
+                "--segments", "2", "--trace-steps", "1", "--out-dir", str(out), "--cold-caches",
                 "--train-py-flags", f"--data.cache_dir {tmp_path / 'data'} --data.generated_stories 300 "
                                     "--data.vocab_size 300"])
     rows = {row["setup"]: row for row in csv.DictReader((out / "scaling.csv").open())}
     assert set(rows) == {"single", "bucketed_ddp:1", "zero3+compute_dtype=bf16"}
     for row in rows.values():
         assert row["error"] == "" and row["rounds"] == "1" and float(row["ms_per_step"]) > 0
+        # Start-up and one warm-up step come before the first timed one; a CPU has no peak, so no MFU.
+        assert float(row["first_timed_s"]) > float(row["ms_per_step"]) / 1e3 and row["mfu"] == ""
     bucketed = rows["bucketed_ddp:1"]
     assert bucketed["devices"] == "2"
     assert float(bucketed["scaling"]) == pytest.approx(float(rows["single"]["ms_per_step"]) /
