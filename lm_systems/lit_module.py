@@ -45,8 +45,9 @@ class LitLM(L.LightningModule):
         rope_theta: override the RoPE base (10,000 by default).
         attention: attention implementation (auto, naive, sdpa, flash_torch, flash_triton).
         activation_checkpointing: what backward recomputes instead of keeping: "none"; "blocks" (each Transformer
-            block's input only, the block run again in backward: the least memory, one more forward); "selective"
-            (matmul and attention outputs kept, the elementwise work between them recomputed).
+            block's input only, the block run again in backward: the least memory, one more forward);
+            "keep_attention" (as blocks, each block's attention output kept too: its recompute is the costliest at
+            long context); "selective" (matmul and attention outputs kept, the elementwise work recomputed).
         fused_loss: the LM head and cross-entropy over chunks of tokens, never holding every position's logits
             (at vocabulary V and N tokens the plain loss holds N × V float32 logits and their gradient).
         lr: peak learning rate, reached after warm-up.
@@ -81,7 +82,7 @@ class LitLM(L.LightningModule):
         d_ff: Optional[int] = None,
         rope_theta: Optional[float] = None,
         attention: str = "auto",
-        activation_checkpointing: Literal["none", "blocks", "selective"] = "none",
+        activation_checkpointing: Literal["none", "blocks", "keep_attention", "selective"] = "none",
         fused_loss: bool = True,
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,

@@ -5,43 +5,53 @@ Policies, by name (``--model.activation_checkpointing``):
 - ``none``: backward keeps every activation the forward saved.
 - ``blocks``: backward keeps only each block's input and runs the block's forward again to get the rest; the
   activations of one block at a time are alive in backward. Costs one more forward of the blocks.
+- ``keep_attention``: as ``blocks``, but each block's attention output (and its softmax statistics) is kept: at long
+  context attention is the costliest work to redo for the bytes it keeps (its FLOPs grow with T², its output with T:
+  at T 32,768 and d_model 4,096, about 33 kFLOP a byte against about 4 kFLOP a byte for a projection's output).
 - ``selective``: the block's matrix products and attention are kept, the cheap elementwise work between them (norms,
   rotary embedding, SiLU, products) is recomputed: most of the memory of ``none`` goes to those matmul outputs, so
   this saves less than ``blocks`` for a fraction of its extra work.
 
-Both recomputing policies use torch's non-reentrant ``torch.utils.checkpoint`` (``create_selective_checkpoint_contexts``
-for ``selective``), which works eagerly and inside torch.compile, and give the gradients of ``none``.
+The recomputing policies use torch's non-reentrant ``torch.utils.checkpoint`` (``create_selective_checkpoint_contexts``
+for those that keep some outputs), which works eagerly and inside torch.compile, and give the gradients of ``none``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-RECOMPUTE_POLICIES = ("none", "blocks", "selective")
+RECOMPUTE_POLICIES = ("none", "blocks", "keep_attention", "selective")
 
 _aten = torch.ops.aten
-# The outputs ``selective`` keeps: matrix products and the attention kernels (their outputs and softmax statistics).
-_KEPT_OPS = {
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+_ATTENTION_OPS = {
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-_KEPT_OP_NAMES = ("lm_systems::flash_attention_forward",)  # the Triton kernel's op under torch.compile
+_ATTENTION_OP_NAMES = ("lm_systems::flash_attention_forward",)  # the Triton kernel's op under torch.compile
+_MATMUL_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+
+
+def _is_attention(op) -> bool:
+    return op in _ATTENTION_OPS or (isinstance(op, torch._ops.OpOverload) and op.name() in _ATTENTION_OP_NAMES)
+
+
+def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if _is_attention(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _keep_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in _KEPT_OPS or (isinstance(op, torch._ops.OpOverload) and op.name() in _KEPT_OP_NAMES):
+    if op in _MATMUL_OPS or _is_attention(op):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_contexts():
-    return create_selective_checkpoint_contexts(_keep_matmuls_and_attention)
+_KEPT = {"keep_attention": _keep_attention, "selective": _keep_matmuls_and_attention}
 
 
 def run_with_recompute(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, policy: str) -> torch.Tensor:
@@ -49,6 +59,7 @@ def run_with_recompute(forward: Callable[[torch.Tensor], torch.Tensor], x: torch
     checked where the model's configuration is made)."""
     if policy == "none" or not torch.is_grad_enabled():  # outside autograd nothing is saved anyway
         return forward(x)
-    if policy == "selective":
-        return checkpoint(forward, x, use_reentrant=False, context_fn=_selective_contexts)
+    if policy in _KEPT:
+        contexts = functools.partial(create_selective_checkpoint_contexts, _KEPT[policy])
+        return checkpoint(forward, x, use_reentrant=False, context_fn=contexts)
     return checkpoint(forward, x, use_reentrant=False)

@@ -53,7 +53,10 @@ def _kept_bytes(model: TransformerLM, tokens: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("policy", ["blocks", "selective"])
+RECOMPUTING = [policy for policy in RECOMPUTE_POLICIES if policy != "none"]
+
+
+@pytest.mark.parametrize("policy", RECOMPUTING)
 def test_recomputing_gives_the_gradients_of_keeping_everything(policy):
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 17))
     loss, grads = _loss_and_grads(_model("none"), tokens)
@@ -66,17 +69,20 @@ def test_recomputing_gives_the_gradients_of_keeping_everything(policy):
 def test_each_policy_keeps_less_for_backward():
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 25))
     kept = {policy: _kept_bytes(_model(policy), tokens) for policy in RECOMPUTE_POLICIES}
-    assert kept["blocks"] < kept["selective"] < kept["none"]
+    assert kept["blocks"] < kept["keep_attention"] < kept["selective"] < kept["none"]
     # Each block more: "blocks" keeps its input alone, one (B, T, D) float64; the others keep far more.
     deeper = {policy: _kept_bytes(_model(policy, num_layers=CONFIG["num_layers"] + 2), tokens)
               for policy in RECOMPUTE_POLICIES}
     per_block = {policy: (deeper[policy] - kept[policy]) / 2 for policy in RECOMPUTE_POLICIES}
     assert per_block["blocks"] == 2 * 24 * CONFIG["d_model"] * 8
+    # "keep_attention" adds the attention's output (B, H, T, d_head) and its softmax statistics (B, H, T), float64.
+    heads = CONFIG["num_heads"]
+    assert per_block["keep_attention"] - per_block["blocks"] == 2 * 24 * (CONFIG["d_model"] + heads) * 8
     # "selective" drops at least the SwiGLU's elementwise outputs (silu and the product, (B, T, d_ff) each).
     assert per_block["none"] - per_block["selective"] >= 2 * 2 * 24 * CONFIG["d_ff"] * 8
 
 
-@pytest.mark.parametrize("policy", ["blocks", "selective"])
+@pytest.mark.parametrize("policy", RECOMPUTING)
 def test_recomputing_inside_a_compiled_block_gives_the_same_gradients(policy):
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 17))
     compiled = {}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The CS336 2026 leaderboard step (configs/leaderboard_8b.yaml) on two CUDA GPUs of one host, through train.py:
+#   test      python train.py -c configs/leaderboard_8b.yaml for 3 steps (tests/test_leaderboard_gpu.py): the first loss
+#             near ln(151936), the summary's speed and MFU, at most 76 GiB on rank 0
+#   loss      the fused LM head + cross-entropy against the plain loss, eager and compiled (benchmarks.loss, one GPU)
+#   eager     the step through train.py, eager: zero3 with sdpa and with flash_triton, beside torch's stack (FSDP2,
+#             per-block checkpoint, SDPA, the plain loss)
+#   keep_attention  zero3 eager, each block recomputed but its attention output kept (--model.activation_checkpointing
+#             keep_attention)
+#   compiled  zero3 with keep_attention and torch's stack compiled (the blocks, and the plain loss with its head),
+#             every visit from empty caches
+#
+#   .ci/gpu_leaderboard.sh test loss eager        # stages in order, each under its own time limit
+# Writes logs, junit xml and the benchmark tables under $OUT (./gpu_leaderboard_out without it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_leaderboard_out}
+mkdir -p "$OUT"
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(test)
+
+source .ci/gpu_stages.sh  # the wheels the GPU image lacks; run STAGE SECONDS COMMAND...
+python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.device_count(), \
+'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+
+TORCH_STACK="fsdp2+--model.fused_loss=false"  # torch's sharding and the plain loss; the same recompute and attention
+step() {  # step NAME CONFIG LIMIT SETUPS...: the 8B step through train.py, one round
+    local name=$1 config=$2 limit=$3; shift 3
+    run "$name" "$limit" python -m benchmarks.scaling --devices 2 --size 8b --configs "$config" --precision bf16-true \
+        --attention sdpa --setups "$@" --baseline "$TORCH_STACK" --rounds 1 --warmup 2 --steps 2 --segments 2 \
+        --run-timeout "${RUN_TIMEOUT:-240}" --out-dir "$OUT/$name" --name leaderboard_8b ${COLD:+--cold-caches} \
+        --train-py-flags "--data.synthetic true --data.vocab_size 151936 --data.batch_size 1 \
+--model.activation_checkpointing blocks"
+}
+
+for stage in "${STAGES[@]}"; do
+    case $stage in
+    test)
+        run leaderboard_test 420 python -m pytest -q -p no:cacheprovider tests/test_leaderboard_gpu.py \
+            --junitxml="$OUT/leaderboard_test.xml"
+        ;;
+    loss)
+        run loss 240 python -m benchmarks.loss --out-dir "$OUT/loss" --reps 5
+        ;;
+    eager)
+        step eager 32768x1:eager 560 zero3 "zero3+--model.attention=flash_triton" "$TORCH_STACK"
+        ;;
+    keep_attention)
+        step keep_attention 32768x1:eager 200 "zero3+--model.activation_checkpointing=keep_attention"
+        ;;
+    compiled)
+        COLD=1 RUN_TIMEOUT=240 step compiled 32768x1:compiled 500 \
+            "zero3+--model.activation_checkpointing=keep_attention" "$TORCH_STACK"
+        ;;
+    *)
+        echo "unknown stage $stage (test, loss, eager, keep_attention, compiled)"; exit 2
+        ;;
+    esac
+done
