@@ -24,10 +24,11 @@ python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nc
 'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 
 TORCH_STACK="fsdp2+--model.fused_loss=false"  # torch's sharding and the plain loss; the same recompute and attention
+BASELINE=$TORCH_STACK
 step() {  # step NAME CONFIG LIMIT SETUPS...: the 8B step through train.py, one round
     local name=$1 config=$2 limit=$3; shift 3
     run "$name" "$limit" python -m benchmarks.scaling --devices 2 --size 8b --configs "$config" --precision bf16-true \
-        --attention sdpa --setups "$@" --baseline "$TORCH_STACK" --rounds 1 --warmup 2 --steps 2 --segments 2 \
+        --attention sdpa --setups "$@" ${BASELINE:+--baseline "$BASELINE"} --rounds 1 --warmup 2 --steps 2 --segments 2 \
         --run-timeout "${RUN_TIMEOUT:-240}" --out-dir "$OUT/$name" --name leaderboard_8b ${COLD:+--cold-caches} \
         --train-py-flags "--data.synthetic true --data.vocab_size 151936 --data.batch_size 1 \
 --model.activation_checkpointing blocks"
@@ -46,7 +47,7 @@ for stage in "${STAGES[@]}"; do
         step eager 32768x1:eager 560 zero3 "zero3+--model.attention=flash_triton" "$TORCH_STACK"
         ;;
     keep_attention)
-        step keep_attention 32768x1:eager 200 "zero3+--model.activation_checkpointing=keep_attention"
+        BASELINE= step keep_attention 32768x1:eager 200 "zero3+--model.activation_checkpointing=keep_attention"
         ;;
     compiled)
         COLD=1 RUN_TIMEOUT=240 step compiled 32768x1:compiled 500 \
