@@ -9,6 +9,7 @@
 #             keep_attention)
 #   compiled  zero3 with keep_attention and torch's stack compiled (the blocks, and the plain loss with its head),
 #             every visit from empty caches
+#   compiled_warm  compiled again, caches kept: zero3 with keep_attention and with blocks, and torch's stack
 #
 #   .ci/gpu_leaderboard.sh test loss eager        # stages in order, each under its own time limit
 # Writes logs, junit xml and the benchmark tables under $OUT (./gpu_leaderboard_out without it).
@@ -53,8 +54,12 @@ for stage in "${STAGES[@]}"; do
         COLD=1 RUN_TIMEOUT=240 step compiled 32768x1:compiled 500 \
             "zero3+--model.activation_checkpointing=keep_attention" "$TORCH_STACK"
         ;;
+    compiled_warm)
+        RUN_TIMEOUT=150 step compiled_warm 32768x1:compiled 330 \
+            "zero3+--model.activation_checkpointing=keep_attention" zero3 "$TORCH_STACK"
+        ;;
     *)
-        echo "unknown stage $stage (test, loss, eager, keep_attention, compiled)"; exit 2
+        echo "unknown stage $stage (test, loss, eager, keep_attention, compiled, compiled_warm)"; exit 2
         ;;
     esac
 done
