@@ -17,14 +17,16 @@ from collections.abc import Callable
 
 import torch
 
-CHUNK_LOGITS_BYTES = 2**30  # a chunk's float32 logits: 1 GiB is 1,664 tokens at vocab 151,936
-TILE_ROWS = 128  # chunks of whole matmul tiles where the budget allows
+# A chunk's float32 logits: 4,096 tokens at vocab 151,936. Fewer, larger chunks ran faster on a GPU, and 4,096 still
+# took a third of the plain loss's memory at 32,768 tokens (benchmarks/results/fused_loss.md).
+CHUNK_LOGITS_BYTES = 5 * 2**29
 
 
 def default_chunk_tokens(vocab: int) -> int:
-    """Tokens per chunk: the most whose float32 logits fit CHUNK_LOGITS_BYTES, rounded down to whole TILE_ROWS."""
+    """Tokens per chunk: the most whose float32 logits fit CHUNK_LOGITS_BYTES, rounded down to a power of two (whole
+    matmul tiles)."""
     tokens = max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
-    return tokens - tokens % TILE_ROWS if tokens >= TILE_ROWS else tokens
+    return 1 << (tokens.bit_length() - 1)
 
 
 @torch.compiler.disable  # the chunk loop runs eagerly: a compiled model breaks its graph here

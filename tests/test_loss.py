@@ -226,8 +226,9 @@ def test_bad_chunk_sizes_are_refused(chunk_tokens):
 def test_the_default_chunk_keeps_its_float32_logits_within_the_budget(vocab):
     tokens = default_chunk_tokens(vocab)
     assert tokens >= 1 and (tokens * vocab * 4 <= CHUNK_LOGITS_BYTES or tokens == 1)
-    assert tokens < 128 or tokens % 128 == 0
-    assert default_chunk_tokens(151936) == 1664
+    assert tokens & (tokens - 1) == 0  # a power of two
+    assert 2 * tokens * vocab * 4 > CHUNK_LOGITS_BYTES  # the largest one
+    assert default_chunk_tokens(151936) == 4096
 
 
 @pytest.mark.gpu
