@@ -257,7 +257,7 @@ def train_py_command(config: Config, setup: Setup, args: argparse.Namespace, wor
         "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.logger.init_args.save_dir", str(workdir / "logs"),
         f"--trainer.callbacks+={json.dumps(timer)}",
-        *setup.train_py_args(args.devices), *args.train_py_flags,
+        *args.train_py_flags, *setup.train_py_args(args.devices),  # a setup's own flags last: they win
     ]
 
 

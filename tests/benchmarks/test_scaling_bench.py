@@ -53,6 +53,14 @@ def test_ratios_are_taken_within_each_round_then_the_median():
     assert rows["bucketed_ddp"]["over_baseline"] == pytest.approx(sorted([110 / 100, 250 / 200, 120 / 100])[1])
 
 
+def test_a_setups_own_flag_wins_over_the_flags_for_every_setup(tmp_path):
+    args = bench.parse_args(["--setups", "zero3+--model.activation_checkpointing=keep_attention",
+                             "--train-py-flags", "--model.activation_checkpointing blocks"])
+    command = bench.train_py_command(args.configs[0], args.setups[0], args, tmp_path, tmp_path / "timer")
+    given = [i for i, arg in enumerate(command) if arg == "--model.activation_checkpointing"]
+    assert command[given[-1] + 1] == "keep_attention"  # LightningCLI takes the last value given
+
+
 def test_cold_caches_point_every_cache_at_a_new_folder(tmp_path):
     env = bench.cold_caches(tmp_path / "visit0_caches")
     assert set(env) == {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "LM_SYSTEMS_TUNING_CACHE"}
