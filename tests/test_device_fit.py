@@ -1,0 +1,56 @@
+"""At the door, the model is checked against the accelerator: a GPU-sized model on a CPU is warned about (naming
+what it needs) before any data is prepared; the default tiny model is not."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lm_systems.cli import main
+from lm_systems.config import ModelConfig
+from lm_systems.device_fit import CPU_MAX_PARAMETERS
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+def built_warnings(args: list[str]) -> list[str]:
+    """The warnings of parsing ``args`` and building the run (nothing trained)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(args, run=False)
+    return [str(w.message) for w in caught]
+
+
+def parameters(size: str) -> int:
+    """The size's parameter count at the size table's vocabulary, from its shape (embedding, LM head, per block:
+    attention's four d×d matrices, SwiGLU's three d×d_ff, two norms; a final norm)."""
+    c = ModelConfig.from_name(size)
+    block = 4 * c.d_model**2 + 3 * c.d_model * c.d_ff + 2 * c.d_model
+    return 2 * c.vocab_size * c.d_model + c.num_layers * block + c.d_model
+
+
+def test_the_sizes_straddle_the_cpu_limit():
+    assert parameters("tiny") < CPU_MAX_PARAMETERS < parameters("small")
+
+
+def test_a_gpu_config_on_a_cpu_is_warned_about_before_the_data(tmp_path):
+    said = built_warnings(["-c", str(REPO / "configs" / "small.yaml"), "--accelerator", "cpu",
+                           "--data.cache_dir", str(tmp_path / "cache")])
+    expected = f"--model.size small has about {parameters('small') / 1e6:.0f}M parameters and trains on a CPU here"
+    assert any(message.startswith(expected) and "--accelerator gpu" in message for message in said), said
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache" / "tokens").glob("*"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default trains on the GPU there")
+def test_the_default_config_is_not_warned_about(tmp_path):
+    said = built_warnings(["-c", str(REPO / "configs" / "default.yaml"), "--data.cache_dir", str(tmp_path / "cache")])
+    assert not any("trains on a CPU" in message for message in said), said
