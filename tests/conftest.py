@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from environment import environment_kept
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,17 +48,21 @@ def _seed():
     torch.manual_seed(0)
 
 
+_SESSION_ENVIRONMENT = dict(os.environ)
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
-    """``seed_everything`` writes PL_GLOBAL_SEED / PL_SEED_WORKERS into os.environ, Lightning's launchers the rendezvous
-    variables: a later subprocess or spawned rank would inherit them, and results would depend on test order.
-    ``lm_systems.cli.main`` adds a filter to Lightning's rank-zero logger at each call."""
-    environment = dict(os.environ)
+    """Each test starts with the session's seed variables (a fixture of a wider scope that changed them fails the
+    test naming them) and leaves the environment as it found it. ``lm_systems.cli.main`` adds a filter to Lightning's
+    rank-zero logger at each call: those are restored too."""
+    leaked = [name for name in _SEED_VARIABLES if os.environ.get(name) != _SESSION_ENVIRONMENT.get(name)]
+    assert not leaked, f"a module- or session-scoped fixture left {leaked} in os.environ: wrap it in environment_kept()"
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     filters = list(rank_zero_logger.filters)
-    yield
-    os.environ.clear()
-    os.environ.update(environment)
+    with environment_kept():
+        yield
     rank_zero_logger.filters[:] = filters
 
 

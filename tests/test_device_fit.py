@@ -4,6 +4,7 @@ what it needs) before any data is prepared; the default tiny model is not."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,7 @@ from lm_systems.cli import main
 from lm_systems.config import ModelConfig
 from lm_systems.device_fit import CPU_MAX_PARAMETERS
 
-from tests.conftest import REPO
-
+REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
 
 
