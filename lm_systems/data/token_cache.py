@@ -110,13 +110,16 @@ def build_token_cache(
 
     Documents are followed by ``<|endoftext|>``; a stream source (.txt lines) is concatenated as it is.
     `datasets.map` runs the tokenizer in batches (``num_proc`` processes, None: one process whose Rust
-    encoder already uses every core) and shows a progress bar.
+    encoder already uses every core) and shows a progress bar. Run under the cache lock (``cache_lock``): the
+    work folders of builds that were killed are removed first.
     """
     import pyarrow.compute as pc
 
     start = time.perf_counter()
     (directory / META_FILE).unlink(missing_ok=True)  # a damaged entry stays untrusted until rebuilt whole
     sidecar(directory / META_FILE).unlink(missing_ok=True)
+    for abandoned in directory.glob("work-*"):  # a killed build's: builds run one at a time, under the cache lock
+        shutil.rmtree(abandoned, ignore_errors=True)
     eot_id = tokenizer.token_to_id(END_OF_TEXT)
     dtype = token_dtype(tokenizer.get_vocab_size())
     work = directory / f"work-{uuid.uuid4().hex[:8]}"  # datasets' map output; removed once the .npy files exist
