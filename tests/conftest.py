@@ -89,7 +89,10 @@ def spawn_two_ranks():
 
 def _greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """``prompt`` continued by plain argmax decoding (one whole forward per token, stopping at <|endoftext|>), decoded:
-    what ``sampling.sample_text(..., temperature=0)`` must print, computed without it."""
+    what ``sampling.sample_text(..., temperature=0)`` must print, computed without it. Decoded as samples are printed
+    (``printable_decode``, which tests/data/test_printable.py checks on its own)."""
+    from lm_systems.data.printable import printable_decode
+
     ids = tokenizer.encode(prompt).ids
     prompt_length, eot_id = len(ids), tokenizer.token_to_id("<|endoftext|>")
     model.eval()
@@ -100,7 +103,7 @@ def _greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
                 break
             ids.append(next_id)
     assert len(ids) > prompt_length, "the model stopped at once: the check would compare the prompt with itself"
-    return tokenizer.decode(ids)
+    return printable_decode(tokenizer, ids)
 
 
 @pytest.fixture(scope="session")
