@@ -31,22 +31,32 @@ def atomic_write_path(path: str | os.PathLike) -> Iterator[Path]:
 
     A crash (or Ctrl-C) mid-write leaves a ``*.tmp-*`` file that nothing reads, never a half-written
     ``path`` that a later run would trust. The rename is atomic on POSIX within one filesystem. An OSError
-    (a full disk: torch.save raises a RuntimeError while handling it) is raised again naming ``path``.
+    that names no file is raised again naming ``path`` (``write_errors_named``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        yield tmp
-        os.replace(tmp, path)
+        with write_errors_named(path):
+            yield tmp
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def write_errors_named(path: str | os.PathLike) -> Iterator[None]:
+    """An OSError raised in the block without a file's name (pyarrow's on a full disk; torch.save raises a
+    RuntimeError while handling one) is raised again naming ``path``, whose filesystem's free space is then the one
+    reported (:func:`lm_systems.errors.write_error_message`)."""
+    try:
+        yield
     except (OSError, RuntimeError) as error:
         cause = os_error_in(error)
         if cause is None or cause.filename is not None:
             raise
-        raise OSError(cause.errno, cause.strerror, str(path)) from error
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from error
 
 
 def remove_abandoned_temporaries(paths: Iterable[Path]) -> list[Path]:

@@ -3,7 +3,9 @@ unless --debug asks for one; a file that cannot be written is named with the fre
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import re
 import resource
 import signal
 
@@ -103,15 +105,23 @@ def test_an_unwritable_log_folder_is_named(tmp_path, capsys, fast):
     assert line.startswith("error: --trainer.default_root_dir 'a_file/runs' cannot be made (Not a directory)"), line
 
 
-@pytest.fixture
-def files_limited_to_100kb():
-    """Writes past 100 kB fail (EFBIG), as on a full disk, and the process is not killed for them (SIGXFSZ)."""
+@contextlib.contextmanager
+def files_limited_to(size: int):
+    """Writes past ``size`` bytes fail (EFBIG), as on a full disk, and the process is not killed for them (SIGXFSZ)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    signal.signal(signal.SIGXFSZ, handler)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.fixture
+def files_limited_to_100kb():
+    with files_limited_to(100_000):
+        yield
 
 
 @pytest.mark.slow  # trains a step
@@ -120,6 +130,18 @@ def test_a_checkpoint_that_cannot_be_written_is_named_with_the_free_space(capsys
     line = one_line_error(fast, capsys, status=1)
     assert line.startswith("error: cannot write '") and "step=1.ckpt': File too large (" in line, line
     assert "free on its filesystem); free some space or write elsewhere: --trainer.default_root_dir" in line
+
+
+def test_a_cache_disk_filling_up_while_tokenizing_names_the_file_and_its_disk(tmp_path, capsys, tiny_args):
+    cache = tmp_path / "cache"
+    prepared = LMDataModule(generated_stories=300, vocab_size=300, cache_dir=str(cache))
+    (prepared.token_splits.directory / "meta.json").unlink()  # corpus and tokenizer kept: only the tokens to build
+    with files_limited_to(8_000):
+        line = one_line_error([*tiny_args, *QUIET, "--data.cache_dir", str(cache)], capsys, status=1)
+    work = prepared.token_splits.directory
+    assert re.match(rf"error: cannot write '{re.escape(str(work))}/work-[0-9a-f]{{8}}/train.arrow': File too large \(",
+                    line), line
+    assert "B free on its filesystem)" in line, line  # of the named file's (write_error_message)
 
 
 def test_the_os_error_behind_a_runtime_error_is_found(tmp_path):
