@@ -31,7 +31,7 @@ from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, 
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
 from lm_systems.output_folders import make_output_folder
-from lm_systems.resume import RunConfigRecord, SavedSettings
+from lm_systems.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings
 from lm_systems.run_logger import run_version_of
 from lm_systems.run_summary import RunSummary
 from lm_systems.strategy_flags import strategy_names_as_classes
@@ -178,7 +178,8 @@ class LMCLI(CommandLineOverCheckpointCLI):
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
         # After the progress bar: the summary prints once the bar has stopped.
-        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(_subcommand_part(self.config)), RunSummary()]
+        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(_subcommand_part(self.config)), ResumedLoggingSteps(),
+                    RunSummary()]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
 

@@ -22,6 +22,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lm_systems.compat.lightning import align_logging_step
 from lm_systems.config import ModelConfig
 from lm_systems.errors import InputError
 from lm_systems.nonfinite import weights_are_finite
@@ -120,3 +121,16 @@ class RunConfigRecord(L.Callback):
     def on_save_checkpoint(self, trainer: "L.Trainer", pl_module: "L.LightningModule", checkpoint: dict[str, Any]) -> None:
         checkpoint[RUN_CONFIG_KEY] = self._settings
 
+
+class ResumedLoggingSteps(L.Callback):
+    """A resumed run's TensorBoard points at the steps an uninterrupted run puts them at (``align_logging_step``)."""
+
+    def __init__(self) -> None:
+        self._aligned = False
+
+    @override
+    def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        if not self._aligned and trainer.ckpt_path is not None:
+            align_logging_step(trainer)
+        self._aligned = True
