@@ -25,7 +25,8 @@ from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_names
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.config_files import check_config_files
-from lm_systems.device_fit import check_model_fits_device
+from lm_systems.cpu_threads import choose_cpu_threads
+from lm_systems.device_fit import check_model_fits_device, device_type
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
 from lm_systems.help_cache import SUBCOMMANDS
@@ -143,6 +144,7 @@ class LMCLI(CommandLineOverCheckpointCLI):
                     config.trainer[name] = config[name]
             check_trainer_choices(config.trainer)
             check_model_fits_device(config.model, config.trainer.get("accelerator"))
+            choose_cpu_threads(device_type(config.trainer.get("accelerator")))
             make_output_folder(config.trainer.get("default_root_dir"), "--trainer.default_root_dir")
             make_output_folder(config.data.get("cache_dir"), "--data.cache_dir")
             _logs_under_default_root_dir(config.trainer)

@@ -56,14 +56,15 @@ _SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 def _restore_environment():
     """Each test starts with the session's seed variables (a fixture of a wider scope that changed them fails the
     test naming them) and leaves the environment as it found it. ``lm_systems.cli.main`` adds a filter to Lightning's
-    rank-zero logger at each call: those are restored too."""
+    rank-zero logger at each call and sets torch's CPU threads: those are restored too."""
     leaked = [name for name in _SEED_VARIABLES if os.environ.get(name) != _SESSION_ENVIRONMENT.get(name)]
     assert not leaked, f"a module- or session-scoped fixture left {leaked} in os.environ: wrap it in environment_kept()"
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    filters = list(rank_zero_logger.filters)
+    filters, threads = list(rank_zero_logger.filters), torch.get_num_threads()
     with environment_kept():
         yield
     rank_zero_logger.filters[:] = filters
+    torch.set_num_threads(threads)  # a CPU run through lm_systems.cli.main chooses its own
 
 
 @pytest.fixture(scope="session")

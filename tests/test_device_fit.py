@@ -1,5 +1,6 @@
 """At the door, the model is checked against the accelerator: a GPU-sized model on a CPU is warned about (naming
-what it needs) before any data is prepared; the default tiny model is not."""
+what it needs) before any data is prepared; the default tiny model is not. A CPU run leaves a core free unless
+OMP_NUM_THREADS says otherwise."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from lm_systems.cli import main
 from lm_systems.config import ModelConfig
+from lm_systems.cpu_threads import TORCH_THREADS
 from lm_systems.device_fit import CPU_MAX_PARAMETERS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,3 +56,17 @@ def test_a_gpu_config_on_a_cpu_is_warned_about_before_the_data(tmp_path):
 def test_the_default_config_is_not_warned_about(tmp_path):
     said = built_warnings(["-c", str(REPO / "configs" / "default.yaml"), "--data.cache_dir", str(tmp_path / "cache")])
     assert not any("trains on a CPU" in message for message in said), said
+
+
+def test_a_cpu_run_leaves_a_core_free(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(TORCH_THREADS)
+    main(["--accelerator", "cpu", "--data.cache_dir", str(tmp_path / "cache")], run=False)
+    assert torch.get_num_threads() == max(1, TORCH_THREADS - 1)
+
+
+def test_omp_num_threads_chooses_the_cpu_threads(monkeypatch, tmp_path):
+    monkeypatch.setenv("OMP_NUM_THREADS", str(TORCH_THREADS))
+    torch.set_num_threads(TORCH_THREADS)
+    main(["--accelerator", "cpu", "--data.cache_dir", str(tmp_path / "cache")], run=False)
+    assert torch.get_num_threads() == TORCH_THREADS
