@@ -47,8 +47,8 @@ def check_model_fits_device(model: Any, accelerator: Any) -> None:
         parameters = _parameters(model)
         if parameters is not None and parameters > CPU_MAX_PARAMETERS:
             rank_zero_warn(
-                f"--model.size {model.size} has about {parameters / 1e6:.0f}M parameters and trains on a CPU here: "
-                "expect minutes per step and no output meanwhile. It needs a GPU (--accelerator gpu); on a CPU, "
+                f"the model (--model.size {model.size}) has about {parameters / 1e6:.0f}M parameters and trains on a "
+                "CPU: expect minutes per step and no output meanwhile. It needs a GPU (--accelerator gpu); on a CPU, "
                 "train --model.size tiny (configs/default.yaml)"
             )
 

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from lm_systems.data.checksums import record_written_file, sidecar, sidecar_damage
+from lm_systems.data.checksums import record_written_file, sidecar_damage
 
 Loaded = TypeVar("Loaded")
 
