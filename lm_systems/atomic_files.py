@@ -9,11 +9,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from lm_systems.errors import os_error_in
+
+
+TEMPORARY_NAME = re.compile(r"\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
+"""The suffix ``atomic_write_path`` gives a file while it is written: the writer's process id and a random tag."""
+ABANDONED_AFTER_S = 60
+"""A temporary file untouched this long whose writer is not running here is a killed write's. The age guards a
+folder shared between machines, where another host's writer has a process id unknown here."""
 
 
 @contextlib.contextmanager
@@ -22,22 +31,59 @@ def atomic_write_path(path: str | os.PathLike) -> Iterator[Path]:
 
     A crash (or Ctrl-C) mid-write leaves a ``*.tmp-*`` file that nothing reads, never a half-written
     ``path`` that a later run would trust. The rename is atomic on POSIX within one filesystem. An OSError
-    (a full disk: torch.save raises a RuntimeError while handling it) is raised again naming ``path``.
+    that names no file is raised again naming ``path`` (``write_errors_named``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        yield tmp
-        os.replace(tmp, path)
+        with write_errors_named(path):
+            yield tmp
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def write_errors_named(path: str | os.PathLike) -> Iterator[None]:
+    """An OSError raised in the block without a file's name (pyarrow's on a full disk; torch.save raises a
+    RuntimeError while handling one) is raised again naming ``path``, whose filesystem's free space is then the one
+    reported (:func:`lm_systems.errors.write_error_message`)."""
+    try:
+        yield
     except (OSError, RuntimeError) as error:
         cause = os_error_in(error)
         if cause is None or cause.filename is not None:
             raise
-        raise OSError(cause.errno, cause.strerror, str(path)) from error
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from error
+
+
+def remove_abandoned_temporaries(paths: Iterable[Path]) -> list[Path]:
+    """Delete those of ``paths`` that are ``atomic_write_path`` temporaries of a killed writer (a kill -9 mid-save
+    leaves one for ever); the ones deleted."""
+    removed = []
+    for path in paths:
+        match = TEMPORARY_NAME.search(path.name)
+        if match is None or _running(int(match["pid"])):
+            continue
+        try:
+            if time.time() - path.stat().st_mtime > ABANDONED_AFTER_S:
+                path.unlink()
+                removed.append(path)
+        except FileNotFoundError:  # renamed into place or removed meanwhile
+            continue
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_json_atomic(path: str | os.PathLike, value: Any) -> None:

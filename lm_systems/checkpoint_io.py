@@ -68,6 +68,24 @@ def ctrl_c_held() -> Iterator[None]:
         previous(*held[0])
 
 
+NEWEST = "last"
+"""``--ckpt last`` (generate) and ``--ckpt_path last`` (train.py): the newest ``last.ckpt`` among the runs."""
+RUN_CHECKPOINTS = "logs/*/version_*/checkpoints/last.ckpt"
+"""Where train.py's runs keep their ``last.ckpt``, relative to the folder it ran in (or its default_root_dir)."""
+
+
+def newest_run_checkpoint(root: str | Path = ".", flag: str = "--ckpt") -> Path:
+    """The ``last.ckpt`` written most recently among ``root``'s runs (``RUN_CHECKPOINTS``); an error naming ``flag``
+    if there is none."""
+    found = [path for path in Path(root).glob(RUN_CHECKPOINTS) if path.exists()]  # exists: the link's file too
+    if not found:
+        raise FileNotFoundError(
+            f"{flag} {NEWEST}: no run checkpoint ({RUN_CHECKPOINTS}) under {str(Path(root).absolute())!r}: run this "
+            "from the folder train.py ran in, or pass a checkpoint's path"
+        )
+    return max(found, key=lambda path: path.stat().st_mtime)
+
+
 def require_checkpoint_file(path: str | Path, flag: str) -> Path:
     """``path`` as a Path if it holds a whole PyTorch checkpoint; otherwise an error naming ``flag``.
 

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lm_systems.atomic_files import link_atomically
+from lm_systems.atomic_files import link_atomically, remove_abandoned_temporaries
 from lm_systems.compat.lightning import LinkingModelCheckpoint
 from lm_systems.errors import WRITE_ERRNOS, RunError, os_error_in
 
@@ -25,7 +25,8 @@ from lm_systems.errors import WRITE_ERRNOS, RunError, os_error_in
 class StepCheckpoint(LinkingModelCheckpoint):
     """ModelCheckpoint keeping ``step=N.ckpt`` every ``every_n_train_steps`` (<= 0: none) and at the end of fit.
 
-    ``last.ckpt`` is a link to the newest file, replaced atomically (never a second copy).
+    ``last.ckpt`` is a link to the newest file, replaced atomically (never a second copy). At setup, the temporary
+    files of saves that were killed (kill -9) are removed from the runs beside this one.
     """
 
     def __init__(self, every_n_train_steps: int = 0, dirpath: Optional[Union[str, Path]] = None) -> None:
@@ -49,6 +50,17 @@ class StepCheckpoint(LinkingModelCheckpoint):
         # A resumed run writes into a new version folder: the old folder's file bookkeeping does not apply there.
         if state_dict.get("dirpath") == self.dirpath:
             super().load_state_dict(state_dict)
+
+    @override
+    def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero and self.dirpath is not None:
+            # In a logger's version_N folder, every version's: a killed save's temporary stays in the run it was for.
+            folder = Path(self.dirpath)
+            in_runs = folder.parent.name.startswith("version_")
+            found = folder.parent.parent.glob(f"version_*/{folder.name}/*.tmp-*") if in_runs else folder.glob("*.tmp-*")
+            for path in remove_abandoned_temporaries(found):
+                rank_zero_info(f"removed {path}, left by a save that was killed")
 
     @override
     def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import Any, Optional, Union
@@ -12,22 +13,26 @@ from typing import Any, Optional, Union
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
 from callbacks.gc_freeze import GCFreeze
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from callbacks.throughput import MFUMonitor
-from lm_systems.checkpoint_io import SafeCheckpointIO, require_checkpoint_file
+from lm_systems.checkpoint_io import NEWEST, SafeCheckpointIO, newest_run_checkpoint, require_checkpoint_file
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_names
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.config_files import check_config_files
+from lm_systems.cpu_threads import choose_cpu_threads
+from lm_systems.device_fit import check_model_fits_device, device_type
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
-from lm_systems.resume import RunConfigRecord, SavedSettings
+from lm_systems.output_folders import make_output_folder
+from lm_systems.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings
 from lm_systems.run_logger import run_version_of
 from lm_systems.run_summary import RunSummary
 from lm_systems.strategy_flags import strategy_names_as_classes
@@ -126,16 +131,22 @@ class LMCLI(CommandLineOverCheckpointCLI):
             request_debug()
         # Checked here, before Lightning reads the checkpoint or builds anything.
         try:
-            ckpt_path, saved = _subcommand_part(self.config).get("ckpt_path"), None
-            if ckpt_path not in (None, "last", "best", "hpc", "registry"):  # Lightning's own names
+            ckpt_path, saved = _resolved_ckpt_path(_subcommand_part(self.config)), None
+            if ckpt_path not in (None, "best", "hpc", "registry"):  # Lightning's own names
                 require_checkpoint_file(ckpt_path, "--ckpt_path")
                 saved = SavedSettings(ckpt_path)
                 self.config = saved.under(parser, args, self.config)
             config = _subcommand_part(self.config)
+            if ckpt_path is not None:  # resolved (parsing again over the checkpoint's settings reads `last`)
+                config["ckpt_path"] = ckpt_path
             for name in SHORT_FLAGS:
                 if config.get(name) is not None:
                     config.trainer[name] = config[name]
             check_trainer_choices(config.trainer)
+            check_model_fits_device(config.model, config.trainer.get("accelerator"))
+            choose_cpu_threads(device_type(config.trainer.get("accelerator")))
+            make_output_folder(config.trainer.get("default_root_dir"), "--trainer.default_root_dir")
+            make_output_folder(config.data.get("cache_dir"), "--data.cache_dir")
             _logs_under_default_root_dir(config.trainer)
             if saved is not None:
                 saved.log_changes(config)
@@ -169,7 +180,8 @@ class LMCLI(CommandLineOverCheckpointCLI):
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
         # After the progress bar: the summary prints once the bar has stopped.
-        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(_subcommand_part(self.config)), RunSummary()]
+        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(_subcommand_part(self.config)), ResumedLoggingSteps(),
+                    RunSummary()]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
 
@@ -201,6 +213,16 @@ class LMCLI(CommandLineOverCheckpointCLI):
         save_dir, name, version = run
         logger.init_args.save_dir, logger.init_args.name, logger.init_args.version = save_dir, name, version
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")  # it is asked for
+
+
+def _resolved_ckpt_path(config: Any) -> Optional[str]:
+    """``--ckpt_path``, with ``last`` read as ``python -m lm_systems.generate --ckpt last`` reads it: the newest run's
+    last.ckpt under ``--trainer.default_root_dir`` (else the working folder)."""
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path == NEWEST:
+        ckpt_path = str(newest_run_checkpoint(config.trainer.get("default_root_dir") or ".", "--ckpt_path"))
+        rank_zero_info(f"--ckpt_path {NEWEST}: resuming from {ckpt_path}")
+    return ckpt_path
 
 
 def _logs_under_default_root_dir(trainer: Any) -> None:
@@ -248,9 +270,23 @@ def check_trainer_choices(trainer: Any) -> None:
     devices = trainer.get("devices")
     if isinstance(devices, str) and devices.lstrip("-").isdigit():
         devices = int(devices)
-    if isinstance(devices, int) and not (devices > 0 or devices == -1):
-        raise ValueError(f"--devices (--trainer.devices) {devices} is not a count > 0, -1 (all), 'auto' or a list "
+    if isinstance(devices, int):
+        valid = devices > 0 or devices == -1
+    else:  # a list from a YAML config is Lightning's to check
+        valid = not isinstance(devices, str) or devices == "auto" or _DEVICE_LIST.fullmatch(devices) is not None
+    if not valid:
+        raise ValueError(f"--devices (--trainer.devices) {devices!r} is not a count > 0, -1 (all), 'auto' or a list "
                          "such as '0,1'")
+    for name in ("accumulate_grad_batches", "val_check_interval"):
+        value = trainer.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            flag = f"--{name} (--trainer.{name})" if name in SHORT_FLAGS else f"--trainer.{name}"
+            raise ValueError(f"{flag} {value} must be > 0" + (
+                " (batches between validations, or a fraction of an epoch)" if name == "val_check_interval" else ""))
+
+
+_DEVICE_LIST = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*")
+"""GPU indices as Lightning reads them: '0,1', '1,' (one GPU, index 1)."""
 
 
 _UNTELLING_LINES = (

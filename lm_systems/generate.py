@@ -15,29 +15,11 @@ from typing import Callable
 import torch
 from tokenizers import Tokenizer
 
-from lm_systems.checkpoint_io import require_checkpoint_file
+from lm_systems.checkpoint_io import NEWEST, RUN_CHECKPOINTS, newest_run_checkpoint, require_checkpoint_file
 from lm_systems.errors import DEBUG_ENV, reported_errors, request_debug
 from lm_systems.lit_module import LitLM
 from lm_systems.model import TransformerLM
 from lm_systems.sampling import sample_text
-
-
-NEWEST = "last"
-"""``--ckpt last``: the newest ``last.ckpt`` among the runs under ``./logs``."""
-RUN_CHECKPOINTS = "logs/*/version_*/checkpoints/last.ckpt"
-"""Where train.py's runs keep their ``last.ckpt``, relative to the folder it ran in."""
-
-
-def newest_run_checkpoint(root: str | Path = ".") -> Path:
-    """The ``last.ckpt`` written most recently among ``root``'s runs (``RUN_CHECKPOINTS``); an error naming --ckpt
-    if there is none."""
-    found = [path for path in Path(root).glob(RUN_CHECKPOINTS) if path.exists()]  # exists: the link's file too
-    if not found:
-        raise FileNotFoundError(
-            f"--ckpt {NEWEST}: no run checkpoint ({RUN_CHECKPOINTS}) under {str(Path(root).absolute())!r}: run this "
-            "from the folder train.py ran in, or pass a checkpoint's path"
-        )
-    return max(found, key=lambda path: path.stat().st_mtime)
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:

@@ -268,7 +268,8 @@ class LitLM(L.LightningModule):
             self.log("train/loss", loss)
             self.log("train/perplexity", loss.detach().exp())
             # One rate: both parameter groups follow the same schedule (LearningRateMonitor drew a curve for each).
-            self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+            # The optimizer's, which this step trains with: a resumed run's scheduler still holds the checkpoint's.
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
     def _logs_this_step(self) -> bool:

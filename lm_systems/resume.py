@@ -22,7 +22,10 @@ from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lm_systems.compat.lightning import align_logging_step
 from lm_systems.config import ModelConfig
+from lm_systems.errors import InputError
+from lm_systems.nonfinite import weights_are_finite
 
 SHAPE_KEYS = ("size", "vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta")
 """LitLM arguments that fix the model's shape: a resumed run keeps the checkpoint's."""
@@ -38,6 +41,11 @@ class SavedSettings:
     def __init__(self, ckpt_path: str | Path) -> None:
         self.path = str(ckpt_path)
         checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+        if not weights_are_finite((checkpoint.get("state_dict") or {}).values()):
+            raise InputError(
+                f"--ckpt_path {self.path!r} holds non-finite weights (NaN or inf): training cannot continue from it; "
+                "pass an earlier checkpoint of that run (its step=N.ckpt files), or train without --ckpt_path"
+            )
         self.hparams = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
         self.settings = {**(checkpoint.get(RUN_CONFIG_KEY) or {}), **{f"model.{k}": v for k, v in self.hparams.items()}}
 
@@ -70,10 +78,14 @@ class SavedSettings:
 
         saved = self.hparams
         differing = [key for key in SHAPE_KEYS if key in saved and typed.get(key) != saved[key]]
-        if differing and shape(dict(typed.items())) != shape(saved):
+        typed_shape, saved_shape = shape(dict(typed.items())), shape(saved)
+        if differing and typed_shape != saved_shape:
             key = differing[0]
+            # Resolved values: an unset field (None) stands for the size's own, which is what the model was built with.
+            values = (typed.get(key), saved[key]) if key == "size" else (getattr(typed_shape, key),
+                                                                         getattr(saved_shape, key))
             raise ValueError(
-                f"--model.{key} {typed.get(key)!r} does not match the checkpoint's {saved[key]!r} ({self.path!r}): "
+                f"--model.{key} {values[0]!r} does not match the checkpoint's {values[1]!r} ({self.path!r}): "
                 f"a resumed run keeps the model's shape ({', '.join(SHAPE_KEYS)}); drop --model.{key}, or train a "
                 "new model without --ckpt_path"
             )
@@ -109,3 +121,16 @@ class RunConfigRecord(L.Callback):
     def on_save_checkpoint(self, trainer: "L.Trainer", pl_module: "L.LightningModule", checkpoint: dict[str, Any]) -> None:
         checkpoint[RUN_CONFIG_KEY] = self._settings
 
+
+class ResumedLoggingSteps(L.Callback):
+    """A resumed run's TensorBoard points at the steps an uninterrupted run puts them at (``align_logging_step``)."""
+
+    def __init__(self) -> None:
+        self._aligned = False
+
+    @override
+    def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        if not self._aligned and trainer.ckpt_path is not None:
+            align_logging_step(trainer)
+        self._aligned = True

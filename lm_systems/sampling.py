@@ -7,6 +7,7 @@ import warnings
 import torch
 from tokenizers import Tokenizer
 
+from lm_systems.data.printable import printable_decode
 from lm_systems.model import TransformerLM
 from lm_systems.nonfinite import divergence_advice
 
@@ -64,7 +65,8 @@ def sample(
 
 
 def sample_text(model: TransformerLM, tokenizer: Tokenizer, prompt: str, **kwargs) -> str:
-    """``sample`` on text: encode the prompt, decode prompt + continuation."""
+    """``sample`` on text: encode the prompt, decode prompt + continuation as printable text (bytes that are not,
+    as ``\\xNN`` escapes: :mod:`lm_systems.data.printable`)."""
     prompt_ids = tokenizer.encode(prompt).ids
     eot_id = tokenizer.token_to_id("<|endoftext|>")
-    return tokenizer.decode(prompt_ids + sample(model, prompt_ids, eot_id=eot_id, **kwargs))
+    return printable_decode(tokenizer, prompt_ids + sample(model, prompt_ids, eot_id=eot_id, **kwargs))

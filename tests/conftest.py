@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from environment import environment_kept
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,18 +48,23 @@ def _seed():
     torch.manual_seed(0)
 
 
+_SESSION_ENVIRONMENT = dict(os.environ)
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
-    """``seed_everything`` writes PL_GLOBAL_SEED / PL_SEED_WORKERS into os.environ, Lightning's launchers the rendezvous
-    variables: a later subprocess or spawned rank would inherit them, and results would depend on test order.
-    ``lm_systems.cli.main`` adds a filter to Lightning's rank-zero logger at each call."""
-    environment = dict(os.environ)
+    """Each test starts with the session's seed variables (a fixture of a wider scope that changed them fails the
+    test naming them) and leaves the environment as it found it. ``lm_systems.cli.main`` adds a filter to Lightning's
+    rank-zero logger at each call and sets torch's CPU threads: those are restored too."""
+    leaked = [name for name in _SEED_VARIABLES if os.environ.get(name) != _SESSION_ENVIRONMENT.get(name)]
+    assert not leaked, f"a module- or session-scoped fixture left {leaked} in os.environ: wrap it in environment_kept()"
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    filters = list(rank_zero_logger.filters)
-    yield
-    os.environ.clear()
-    os.environ.update(environment)
+    filters, threads = list(rank_zero_logger.filters), torch.get_num_threads()
+    with environment_kept():
+        yield
     rank_zero_logger.filters[:] = filters
+    torch.set_num_threads(threads)  # a CPU run through lm_systems.cli.main chooses its own
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +90,10 @@ def spawn_two_ranks():
 
 def _greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """``prompt`` continued by plain argmax decoding (one whole forward per token, stopping at <|endoftext|>), decoded:
-    what ``sampling.sample_text(..., temperature=0)`` must print, computed without it."""
+    what ``sampling.sample_text(..., temperature=0)`` must print, computed without it. Decoded as samples are printed
+    (``printable_decode``, which tests/data/test_printable.py checks on its own)."""
+    from lm_systems.data.printable import printable_decode
+
     ids = tokenizer.encode(prompt).ids
     prompt_length, eot_id = len(ids), tokenizer.token_to_id("<|endoftext|>")
     model.eval()
@@ -95,7 +104,7 @@ def _greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
                 break
             ids.append(next_id)
     assert len(ids) > prompt_length, "the model stopped at once: the check would compare the prompt with itself"
-    return tokenizer.decode(ids)
+    return printable_decode(tokenizer, ids)
 
 
 @pytest.fixture(scope="session")

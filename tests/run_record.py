@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
 from lm_systems.optim import adamw_param_groups
-from lm_systems.schedule import warmup_cosine
 
 
 def _full_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
@@ -77,6 +76,8 @@ def replay(records: list[dict[str, Any]]) -> dict[str, Any]:
     Returns the final ``state_dict`` (the LightningModule's names), the optimizer's ``state_dict`` and each step's
     gradient norm before clipping. Only for a run that started at step 0.
     """
+    from schedule_reference import expected_lr_factor  # here: train.py imports this module as tests.run_record
+
     first = records[0]
     assert first["start_step"] == 0, "replay starts from initial weights"
     assert len(records) == first["world_size"]
@@ -90,7 +91,7 @@ def replay(records: list[dict[str, Any]]) -> dict[str, Any]:
                                   betas=tuple(hparams["betas"]))
     decay_steps = hparams["decay_steps"] or steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, hparams["warmup_steps"], decay_steps, hparams["min_lr_ratio"]))
+        optimizer, lambda step: expected_lr_factor(step, hparams["warmup_steps"], decay_steps, hparams["min_lr_ratio"]))
     clip = first["clip"] or float("inf")
     grad_norms = []
     for step in range(steps):

@@ -76,6 +76,28 @@ def test_step_files_every_interval_and_at_the_end_with_last_as_a_link(tmp_path):
     assert step_of(last) == 5
 
 
+def killed_writer_pid() -> int:
+    """The process id of a process that has ended (as a writer killed mid-save has)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_the_next_run_removes_temporaries_of_killed_saves(tmp_path):
+    runs = tmp_path / "lm_systems"
+    killed = runs / "version_0" / "checkpoints" / f"step=4.ckpt.tmp-{killed_writer_pid()}-0a1b2c3d"
+    writing = runs / "version_1" / "checkpoints" / f"step=2.ckpt.tmp-{os.getpid()}-0a1b2c3d"  # a live writer's
+    recent = runs / "version_1" / "checkpoints" / f"step=3.ckpt.tmp-{killed_writer_pid()}-4e5f6a7b"
+    for path in (killed, writing, recent):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"torn")
+    an_hour_ago = time.time() - 3600
+    for path in (killed, writing):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    fit(runs / "version_2" / "checkpoints", max_steps=1, interval=0)
+    assert not killed.exists()
+    assert writing.exists() and recent.exists(), "a live writer's file, or one written to a moment ago, must stay"
+
+
 def test_non_finite_weights_stop_the_run_and_last_stays_the_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteWeightsError, match="step 4") as error:
         fit(tmp_path, max_steps=8, interval=2, callbacks=(AtStep(4, poison),))  # after step 4, before its save

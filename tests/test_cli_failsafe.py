@@ -191,6 +191,24 @@ def test_resume_into_run_continues_the_folder_and_the_bar_total(tmp_path, fast):
         assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (6, 6)
 
 
+@pytest.mark.slow
+def test_ckpt_path_last_resumes_the_newest_runs_last_ckpt(tmp_path, fast, assert_same_training_state):
+    quiet = [*fast, "--trainer.enable_progress_bar", "false"]
+    # Another seed than the resumed runs': a run from scratch would not match one resumed from these weights.
+    main([*quiet, "--max_steps", "1", "--seed_everything", "7"])
+    newer = main([*quiet, "--max_steps", "2", "--seed_everything", "7"])
+    newest = Path(newer.trainer.logger.log_dir) / "checkpoints" / "last.ckpt"
+    by_name = main([*quiet, "--max_steps", "3", "--ckpt_path", "last"])
+    by_path = main([*quiet, "--max_steps", "3", "--ckpt_path", str(newest)])
+    assert_same_training_state(*(torch.load(Path(cli.trainer.logger.log_dir) / "checkpoints" / "step=3.ckpt",
+                                            weights_only=False) for cli in (by_name, by_path)))
+
+
+def test_ckpt_path_last_without_a_run_is_a_usage_error(tmp_path, usage_error):
+    line = usage_error(["--ckpt_path", "last"])
+    assert line.startswith("error: --ckpt_path last: no run checkpoint (logs/*/version_*/checkpoints/last.ckpt) under")
+
+
 def test_resume_into_run_needs_a_run_folder_checkpoint(tmp_path, usage_error):
     path = write_checkpoint(tmp_path / "loose.ckpt")
     line = usage_error(["--ckpt_path", str(path), "--resume_into_run", "true"])

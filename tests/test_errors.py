@@ -3,7 +3,9 @@ unless --debug asks for one; a file that cannot be written is named with the fre
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import re
 import resource
 import signal
 
@@ -99,21 +101,27 @@ def test_debug_keeps_the_traceback(tmp_path, fast):
 
 def test_an_unwritable_log_folder_is_named(tmp_path, capsys, fast):
     (tmp_path / "a_file").write_text("")  # a folder cannot be made inside it, whoever runs the test
-    line = one_line_error([*fast, "--trainer.default_root_dir", "a_file/runs"],
-                          capsys, status=1)
-    assert line.startswith("error: cannot write 'a_file/runs") and "free on its filesystem" in line, line
-    assert "--trainer.default_root_dir" in line
+    line = one_line_error([*fast, "--trainer.default_root_dir", "a_file/runs"], capsys)
+    assert line.startswith("error: --trainer.default_root_dir 'a_file/runs' cannot be made (Not a directory)"), line
+
+
+@contextlib.contextmanager
+def files_limited_to(size: int):
+    """Writes past ``size`` bytes fail (EFBIG), as on a full disk, and the process is not killed for them (SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
 
 
 @pytest.fixture
 def files_limited_to_100kb():
-    """Writes past 100 kB fail (EFBIG), as on a full disk, and the process is not killed for them (SIGXFSZ)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    signal.signal(signal.SIGXFSZ, handler)
+    with files_limited_to(100_000):
+        yield
 
 
 @pytest.mark.slow  # trains a step
@@ -122,6 +130,18 @@ def test_a_checkpoint_that_cannot_be_written_is_named_with_the_free_space(capsys
     line = one_line_error(fast, capsys, status=1)
     assert line.startswith("error: cannot write '") and "step=1.ckpt': File too large (" in line, line
     assert "free on its filesystem); free some space or write elsewhere: --trainer.default_root_dir" in line
+
+
+def test_a_cache_disk_filling_up_while_tokenizing_names_the_file_and_its_disk(tmp_path, capsys, tiny_args):
+    cache = tmp_path / "cache"
+    prepared = LMDataModule(generated_stories=300, vocab_size=300, cache_dir=str(cache))
+    (prepared.token_splits.directory / "meta.json").unlink()  # corpus and tokenizer kept: only the tokens to build
+    with files_limited_to(8_000):
+        line = one_line_error([*tiny_args, *QUIET, "--data.cache_dir", str(cache)], capsys, status=1)
+    work = prepared.token_splits.directory
+    assert re.match(rf"error: cannot write '{re.escape(str(work))}/work-[0-9a-f]{{8}}/train.arrow': File too large \(",
+                    line), line
+    assert "B free on its filesystem)" in line, line  # of the named file's (write_error_message)
 
 
 def test_the_os_error_behind_a_runtime_error_is_found(tmp_path):
@@ -134,3 +154,35 @@ def test_the_os_error_behind_a_runtime_error_is_found(tmp_path):
         assert os_error_in(error).errno == errno.ENOSPC
     message = write_error_message(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.ckpt")))
     assert f"cannot write '{tmp_path / 'x.ckpt'}': No space left on device (" in message and "B free" in message
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    """flash_triton as on a machine without TRITON_INTERPRET (the suite runs its kernels interpreted)."""
+    monkeypatch.setattr("lm_systems.attention.flash_triton_autotune._INTERPRETING", False)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--trainer.default_root_dir", "/proc/x"], "error: --trainer.default_root_dir '/proc/x' cannot be made ("),
+        (["--data.cache_dir", "/proc/x"], "error: --data.cache_dir '/proc/x' cannot be made ("),
+        (["--accumulate_grad_batches", "0"], "error: --accumulate_grad_batches (--trainer.accumulate_grad_batches) 0 "
+                                             "must be > 0"),
+        (["--trainer.accumulate_grad_batches", "-2"], "error: --accumulate_grad_batches (--trainer.accumulate_grad_"
+                                                      "batches) -2 must be > 0"),
+        (["--trainer.val_check_interval", "0"], "error: --trainer.val_check_interval 0 must be > 0"),
+        (["--trainer.val_check_interval", "0.0"], "error: --trainer.val_check_interval 0.0 must be > 0"),
+        (["--devices", "abc"], "error: --devices (--trainer.devices) 'abc' is not a count > 0, -1 (all), 'auto'"),
+        (["--model.attention", "flash_triton", "--accelerator", "cpu"],
+         "error: --model.attention flash_triton cannot run on --accelerator cpu (cpu): its Triton kernels need a CUDA"),
+    ],
+    ids=["root-dir", "cache-dir", "accumulate", "accumulate-negative", "val-interval", "val-interval-float",
+         "devices", "flash-triton-on-cpu"],
+)
+def test_bad_values_stop_before_the_data_is_prepared(args, says, capsys, tiny_args, tmp_path, no_interpreter):
+    cache = tmp_path / "fresh_cache"
+    line = one_line_error([*tiny_args, *QUIET, "--data.cache_dir", str(cache), *args], capsys)
+    assert line.startswith(says), line
+    assert not cache.exists() or not any(cache.iterdir()), "the data was prepared before the error"
+    assert not (tmp_path / "logs").exists(), "a TensorBoard run was left behind"

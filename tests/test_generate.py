@@ -13,6 +13,8 @@ from lm_systems.generate import load_checkpoint, main, newest_run_checkpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.sampling import sample_text
 
+from environment import environment_kept
+
 SMALL_MODEL = dict(size="tiny", d_model=32, num_layers=2, num_heads=2, d_ff=64, context_length=16, sample_prompt="")
 
 
@@ -20,13 +22,15 @@ SMALL_MODEL = dict(size="tiny", d_model=32, num_layers=2, num_heads=2, d_ff=64, 
 def trained(tmp_path_factory) -> tuple[LitLM, LMDataModule, Path]:
     """A LitLM trained 3 steps on the embedded corpus (vocabulary taken from its tokenizer) and its checkpoint."""
     root = tmp_path_factory.mktemp("trained")
-    L.seed_everything(0)
-    lit = LitLM(**SMALL_MODEL, warmup_steps=1)
-    data = LMDataModule(cache_dir=str(root / "data"), generated_stories=300, vocab_size=300, context_length=16, batch_size=2)
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        plugins=[SafeCheckpointIO()])
-    trainer.fit(lit, datamodule=data)
+    with environment_kept():
+        L.seed_everything(0)
+        lit = LitLM(**SMALL_MODEL, warmup_steps=1)
+        data = LMDataModule(cache_dir=str(root / "data"), generated_stories=300, vocab_size=300, context_length=16,
+                            batch_size=2)
+        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            plugins=[SafeCheckpointIO()])
+        trainer.fit(lit, datamodule=data)
     path = root / "trained.ckpt"
     trainer.save_checkpoint(path)
     return lit, data, path

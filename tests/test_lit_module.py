@@ -4,6 +4,7 @@ in configure_model from a config every ModelConfig field reaches."""
 import math
 from dataclasses import fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as L
 import pytest
@@ -18,6 +19,8 @@ from lm_systems.generate import load_checkpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.model import TransformerLM
 from lm_systems.sampling import sample_text
+
+from schedule_reference import expected_lr_factor
 
 SMALL_MODEL = dict(size="tiny", d_model=64, num_layers=2, num_heads=2, d_ff=192, context_length=32, warmup_steps=5, sample_prompt="")
 
@@ -249,3 +252,49 @@ def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
     assert LitLM(size="xl", vocab_size=100, d_model=2000).config == replace(MODEL_SIZES["xl"], vocab_size=100, d_model=2000)
     with pytest.raises(AttributeError):
         lit.config = tiny  # read-only
+
+
+@pytest.mark.parametrize("devices, accumulate, batch_size, context", [(1, 1, 2, 16), (2, 1, 4, 32), (1, 4, 3, 8),
+                                                                      (3, 2, 5, 12)])
+def test_tokens_per_step_counts_every_device_and_micro_batch(devices, accumulate, batch_size, context):
+    """The hyperparameter TensorBoard shows: each optimizer step trains on batch × context tokens per micro-batch,
+    ``accumulate`` micro-batches per device, on every device."""
+    lit = LitLM(size="tiny", vocab_size=64, d_model=16, num_layers=1, num_heads=2, d_ff=32)
+    lit.trainer = SimpleNamespace(world_size=devices, accumulate_grad_batches=accumulate, max_steps=10,
+                                  precision="32-true", strategy=object())
+    lit._data_shape = (batch_size, context)
+    assert lit._run_hyperparameters()["tokens_per_step"] == devices * accumulate * batch_size * context
+
+
+class RandomWindowsLM(LitLM):
+    """A one-layer LitLM on random token windows, which it brings itself (no datamodule, no tokenizer)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(size="tiny", vocab_size=32, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=32,
+                         sample_prompt="", **kwargs)
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, 32, (256, 9), generator=torch.Generator().manual_seed(0))  # (B, T + 1) windows
+        return DataLoader(tokens, batch_size=4)
+
+
+class StepRates(L.Callback):
+    """The learning rate each optimizer step trains with (read just before the step)."""
+
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.rates.append(optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_each_optimizer_step_trains_at_the_schedules_rate(tmp_path, accumulate):
+    """Warm-up and cosine move once per optimizer step (not per epoch, nor per micro-batch), against the formula
+    written apart from the product (tests/schedule_reference.py), past the decay into the floor."""
+    rates = StepRates()
+    lit = RandomWindowsLM(lr=0.02, warmup_steps=3, decay_steps=9, min_lr_ratio=0.25)
+    L.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, accumulate_grad_batches=accumulate, callbacks=[rates]).fit(lit)
+    expected = [0.02 * expected_lr_factor(step, warmup=3, decay=9, floor=0.25) for step in range(12)]
+    assert rates.rates == pytest.approx(expected, rel=1e-12)

@@ -18,7 +18,8 @@ from lm_systems.lit_module import LitLM
 from lm_systems.model import TransformerLM
 from lm_systems.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from lm_systems.optim import adamw_param_groups
-from lm_systems.schedule import warmup_cosine
+
+from schedule_reference import expected_lr_factor
 
 NAN, ONE = torch.tensor(float("nan")), torch.tensor(1.0)
 
@@ -108,7 +109,7 @@ def dropping_the_poisoned_batches(module: _PoisonedLM, fused: bool) -> dict[str,
     optimizer = torch.optim.AdamW(adamw_param_groups(model, hparams.weight_decay), lr=hparams.lr,
                                   betas=tuple(hparams.betas), fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, hparams.warmup_steps, steps, hparams.min_lr_ratio))
+        optimizer, lambda step: expected_lr_factor(step, hparams.warmup_steps, steps, hparams.min_lr_ratio))
     assert len(module.batches) == steps
     for step, batch in enumerate(module.batches):
         if step not in module.poisoned:

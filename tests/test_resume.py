@@ -13,6 +13,8 @@ import yaml
 from lm_systems.cli import main
 from lm_systems.lit_module import LitLM
 
+from environment import environment_kept
+
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
 QUIET = ["--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false",
          "--trainer.enable_progress_bar", "false"]
@@ -28,8 +30,9 @@ def first_run(tmp_path_factory, tiny_args) -> tuple[Path, list[str]]:
     """A run at lr 0.5, one warm-up step, no clipping and the skip policy; its step=2.ckpt and the flags to reuse."""
     root = tmp_path_factory.mktemp("first_run")
     common = [*tiny_args, *QUIET]
-    main([*common, "--trainer.logger.init_args.save_dir", str(root), "--max_steps", "2", "--model.lr", "0.5", "--model.warmup_steps", "1",
-          "--trainer.gradient_clip_val", "0", "--model.on_nonfinite", "skip"])
+    with environment_kept():
+        main([*common, "--trainer.logger.init_args.save_dir", str(root), "--max_steps", "2", "--model.lr", "0.5",
+              "--model.warmup_steps", "1", "--trainer.gradient_clip_val", "0", "--model.on_nonfinite", "skip"])
     (checkpoint,) = root.rglob("step=2.ckpt")
     return checkpoint, common
 
@@ -91,6 +94,21 @@ def small_checkpoint(tmp_path) -> Path:
 def test_a_small_checkpoint_resumed_as_tiny_is_refused(small_checkpoint, capsys):
     line = usage_error(["--model.size", "tiny", "--max_steps", "1", "--ckpt_path", str(small_checkpoint)], capsys)
     assert line.startswith("error: --model.size 'tiny' does not match the checkpoint's 'small'"), line
+
+
+def test_a_refused_context_length_names_the_checkpoints_resolved_one(small_checkpoint, capsys):
+    line = usage_error(["--model.context_length", "512", "--max_steps", "1", "--ckpt_path", str(small_checkpoint)],
+                       capsys)
+    assert line.startswith("error: --model.context_length 512 does not match the checkpoint's 256"), line
+
+
+def test_a_checkpoint_of_non_finite_weights_is_refused_naming_it(tmp_path, capsys):
+    path = tmp_path / "diverged.ckpt"
+    torch.save({"hyper_parameters": {**LitLM().hparams, "vocab_size": 300},
+                "state_dict": {"model.embedding.weight": torch.tensor([[1.0, float("nan")]])}}, path)
+    line = usage_error(["--max_steps", "1", "--ckpt_path", str(path)], capsys)
+    assert line.startswith(f"error: --ckpt_path {str(path)!r} holds non-finite weights (NaN or inf)"), line
+    assert "--model.lr" not in line
 
 
 def test_untyped_shape_settings_are_the_checkpoints(small_checkpoint, monkeypatch):

@@ -290,8 +290,15 @@ def _faster_when_compiled(q: torch.Tensor) -> bool:
             and q.shape[-2] <= AUTO_MAX_SEQ_LEN)
 
 
+def _device_problem(device_type: str) -> str | None:
+    if device_type == "cuda" or interpreting():
+        return None
+    return "its Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)"
+
+
 @register_attention("flash_triton", when_compiled=_faster_when_compiled,
-                    takes=f"fp16 / bf16 CUDA queries of at most {AUTO_MAX_SEQ_LEN} positions")
+                    takes=f"fp16 / bf16 CUDA queries of at most {AUTO_MAX_SEQ_LEN} positions",
+                    device_problem=_device_problem)
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """FlashAttention-2 in Triton (fp16 / bf16 / fp32, head dims 16..128)."""
     return FlashAttention2Triton.apply(q, k, v, is_causal)

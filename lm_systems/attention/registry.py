@@ -27,17 +27,25 @@ class AutoChoice(NamedTuple):
 
 _AUTO_WHEN_COMPILED: list[AutoChoice] = []
 
+DeviceProblem = Callable[[str], "str | None"]
+"""What keeps an implementation off a device type ("cpu", "cuda"), in words, or None where it runs."""
+_DEVICE_PROBLEMS: dict[str, DeviceProblem] = {}
+
 
 def register_attention(
-    name: str, when_compiled: Callable[[torch.Tensor], bool] | None = None, takes: str = "the queries it takes"
+    name: str, when_compiled: Callable[[torch.Tensor], bool] | None = None, takes: str = "the queries it takes",
+    device_problem: DeviceProblem | None = None,
 ) -> Callable[[AttentionFn], AttentionFn]:
     """Decorator: make ``fn`` available to the model as ``attention=name``; ``auto`` takes it inside
-    torch.compile for the queries ``when_compiled(q)`` accepts, which ``takes`` says in words."""
+    torch.compile for the queries ``when_compiled(q)`` accepts, which ``takes`` says in words. Without
+    ``device_problem`` it runs on every device."""
 
     def decorator(fn: AttentionFn) -> AttentionFn:
         if name in _REGISTRY or name == "auto":
             raise ValueError(f"attention {name!r} is already registered")
         _REGISTRY[name] = fn
+        if device_problem is not None:
+            _DEVICE_PROBLEMS[name] = device_problem
         if when_compiled is not None:
             _AUTO_WHEN_COMPILED.append(AutoChoice(name, when_compiled, takes))
         return fn
@@ -48,6 +56,12 @@ def register_attention(
 def attention_names() -> list[str]:
     """Every name ``get_attention`` accepts, ``auto`` included."""
     return ["auto", *sorted(_REGISTRY)]
+
+
+def attention_device_problem(name: str, device_type: str) -> str | None:
+    """Why ``name`` (``auto`` resolved eagerly) cannot run on ``device_type``, or None where it can."""
+    problem = _DEVICE_PROBLEMS.get(resolve_attention_name(name))
+    return problem(device_type) if problem is not None else None
 
 
 def resolve_attention_name(name: str, query: torch.Tensor | None = None) -> str:

@@ -35,6 +35,18 @@ def logs_this_step(trainer: Trainer) -> bool:
     return trainer._logger_connector.should_update_logs
 
 
+def align_logging_step(trainer: Trainer) -> None:
+    """Put the step Lightning's loggers draw at (the epoch loop's ``_batches_that_stepped``; no public setter) back on
+    the optimizer steps taken, at the start of a batch, where the two are equal under automatic optimization.
+
+    Resuming a checkpoint written at the end of a fit that validated at its last step, Lightning skips that
+    validation again with a pass of its loop that trains no batch yet counts one (``advance``'s ``restarted_on_last``
+    branch), and every later point of the run sat one step right of where an uninterrupted run puts it
+    (tests/test_resumed_tensorboard.py).
+    """
+    trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
+
 def accumulates_this_batch(trainer: Trainer) -> bool:
     """Whether the training batch now ending only accumulates gradients (no optimizer step follows it): the fit
     loop's own test, which the Trainer does not expose."""

@@ -97,6 +97,15 @@ def checked_writer(path: str | Path) -> Iterator[_ChecksummedFile]:
     write_json_atomic(sidecar(path), checksum.record())
 
 
+def record_written_file(path: str | Path, chunk_bytes: int = BLOCK_BYTES) -> None:
+    """Write the sidecar record of ``path`` as it is now: for a file another library has just written whole."""
+    path, checksum = Path(path), BlockChecksum()
+    with open(path, "rb") as file:
+        while chunk := file.read(chunk_bytes):
+            checksum.update(chunk)
+    write_json_atomic(sidecar(path), checksum.record())
+
+
 def write_checked_json(path: str | Path, value: Any) -> None:
     """``value`` as JSON at ``path``, with its sidecar record."""
     with checked_writer(path) as file:

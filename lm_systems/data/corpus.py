@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from lm_systems.data.cache_files import file_identity
 from lm_systems.fingerprint import fingerprint
 from lm_systems.data.generated_corpus import GENERATOR_VERSION, ensure_generated_corpus
+from lm_systems.data.hf_cache import checked_load
 from lm_systems.errors import InputError
 
 if TYPE_CHECKING:  # `datasets` is imported where a corpus is read: `train.py --help` does without it
@@ -87,7 +88,7 @@ def load_corpus(source: CorpusSource, cache_dir: str | Path, text_column: str) -
     """The corpus as a DatasetDict with a ``train`` split, and a ``validation`` split when the source has one.
 
     Every split keeps a single column named ``text``. Arrow files that `datasets` writes go under
-    ``cache_dir/hf``, next to the rest of the pipeline's cache.
+    ``cache_dir/hf``, next to the rest of the pipeline's cache, checked like it (:mod:`lm_systems.data.hf_cache`).
     """
     from datasets import DatasetDict, load_dataset, load_from_disk
 
@@ -96,15 +97,16 @@ def load_corpus(source: CorpusSource, cache_dir: str | Path, text_column: str) -
         require_utf8(Path(source.location), source.spec)
     if source.kind == GENERATED:
         ensure_generated_corpus(source.location, source.identity["num_stories"], source.identity["seed"])
-        loaded = load_dataset("text", data_files=source.location, keep_linebreaks=True, cache_dir=hf_cache)
-    elif source.kind == "text":
-        loaded = load_dataset("text", data_files=source.location, keep_linebreaks=True, cache_dir=hf_cache)
+    if source.kind in (GENERATED, "text"):
+        loaded = checked_load(hf_cache, lambda: load_dataset("text", data_files=source.location, keep_linebreaks=True,
+                                                             cache_dir=hf_cache))
     elif source.kind in ("json", "parquet"):
-        loaded = load_dataset(source.kind, data_files=source.location, cache_dir=hf_cache)
+        loaded = checked_load(hf_cache, lambda: load_dataset(source.kind, data_files=source.location,
+                                                             cache_dir=hf_cache))
     elif source.kind == "saved":
-        loaded = load_from_disk(source.location)
+        loaded = load_from_disk(source.location)  # the user's own folder, not this cache's
     else:
-        loaded = _load_from_hub(source.location, hf_cache)
+        loaded = checked_load(hf_cache, lambda: _load_from_hub(source.location, hf_cache))
     splits = _train_and_validation(loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded), source)
     column = "text" if source.is_stream else text_column
     return DatasetDict({name: _text_only(split, column, source) for name, split in splits.items()})

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from lm_systems.atomic_files import atomic_write_path
+from lm_systems.atomic_files import atomic_write_path, write_errors_named
 from lm_systems.fingerprint import fingerprint
 from lm_systems.data.checksums import BlockChecksum, damage, sidecar, sidecar_damage, write_checked_json
 from lm_systems.data.corpus import CorpusSource
@@ -110,21 +110,25 @@ def build_token_cache(
 
     Documents are followed by ``<|endoftext|>``; a stream source (.txt lines) is concatenated as it is.
     `datasets.map` runs the tokenizer in batches (``num_proc`` processes, None: one process whose Rust
-    encoder already uses every core) and shows a progress bar.
+    encoder already uses every core) and shows a progress bar. Run under the cache lock (``cache_lock``): the
+    work folders of builds that were killed are removed first.
     """
     import pyarrow.compute as pc
 
     start = time.perf_counter()
     (directory / META_FILE).unlink(missing_ok=True)  # a damaged entry stays untrusted until rebuilt whole
     sidecar(directory / META_FILE).unlink(missing_ok=True)
+    for abandoned in directory.glob("work-*"):  # a killed build's: builds run one at a time, under the cache lock
+        shutil.rmtree(abandoned, ignore_errors=True)
     eot_id = tokenizer.token_to_id(END_OF_TEXT)
     dtype = token_dtype(tokenizer.get_vocab_size())
     work = directory / f"work-{uuid.uuid4().hex[:8]}"  # datasets' map output; removed once the .npy files exist
     try:
-        encoded = {
-            name: _encode(split, tokenizer, eot_id, source.is_stream, dtype, num_proc, work / f"{name}.arrow")
-            for name, split in corpus.items()
-        }
+        encoded = {}
+        for name, split in corpus.items():
+            arrow = work / f"{name}.arrow"
+            with write_errors_named(arrow):
+                encoded[name] = _encode(split, tokenizer, eot_id, source.is_stream, dtype, num_proc, arrow)
         counts = {name: pc.sum(split.data.column("num_tokens")).as_py() or 0 for name, split in encoded.items()}
         if not any(counts.values()):
             raise InputError(f"--data.corpus {source.spec!r} has no text: tokenising it gave no tokens")

@@ -4,6 +4,8 @@ named and rebuilt; ids outside the vocabulary and undecodable corpora are named 
 from __future__ import annotations
 
 import json
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -111,4 +113,24 @@ def test_an_undecodable_corpus_names_the_flag_the_file_and_the_encoding(tmp_path
     path.write_bytes("a valid start, then ".encode() + bytes(range(128, 256)) * 50)
     source = resolve_corpus(str(path), tmp_path / "cache", 10, 0)
     with pytest.raises(ValueError, match=rf"--data.corpus .*random\{suffix}.*not UTF-8 text \(byte 20 "):
+        load_corpus(source, tmp_path / "cache", "text")
+
+
+def overwrite_2000_bytes(path):
+    with open(path, "r+b") as file:  # same size, inside the text: only the checksum can tell
+        file.seek(path.stat().st_size // 2)
+        file.write(b"#" * 2000)
+
+
+@pytest.mark.parametrize("damage", [truncate, overwrite_2000_bytes])
+def test_a_damaged_datasets_arrow_file_is_named_and_prepared_again(txt_corpus, tmp_path, damage):
+    source = resolve_corpus(str(txt_corpus), tmp_path / "cache", generated_stories=0, seed=0)
+    load_corpus(source, tmp_path / "cache", "text")
+    (arrow,) = (tmp_path / "cache" / "hf").rglob("*.arrow")
+    damage(arrow)
+    with pytest.warns(UserWarning, match=f"the datasets cache is damaged: {re.escape(repr(str(arrow)))}.*preparing"):
+        again = load_corpus(source, tmp_path / "cache", "text")
+    assert "".join(again["train"]["text"]) == txt_corpus.read_text(encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # prepared again and recorded: trusted
         load_corpus(source, tmp_path / "cache", "text")

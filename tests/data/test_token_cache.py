@@ -62,6 +62,17 @@ def test_entry_without_meta_is_rebuilt(txt_corpus, tmp_path, build_calls):
     np.testing.assert_array_equal(rebuilt.token_splits.tokens("validation"), expected)
 
 
+def test_a_killed_builds_work_folder_is_removed_by_the_next_build(txt_corpus, tmp_path, build_calls):
+    entry = prepare(txt_corpus, tmp_path / "cache").token_splits.directory
+    killed = entry / "work-0123abcd"  # what SIGTERM mid-tokenizing leaves: datasets' map output, no meta.json
+    killed.mkdir()
+    (killed / "train.arrow").write_bytes(b"partial")
+    (entry / token_cache.META_FILE).unlink()
+    prepare(txt_corpus, tmp_path / "cache")
+    assert build_calls["tokens"] == 2 and not killed.exists()
+    assert not list(entry.glob("work-*"))
+
+
 def test_crash_before_meta_leaves_nothing_trusted(txt_corpus, tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt

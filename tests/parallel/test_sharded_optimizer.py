@@ -117,3 +117,16 @@ def test_state_dict_without_consolidation_names_the_fix(single_rank_group):
 def test_without_a_process_group_the_error_says_how_to_start_one():
     with pytest.raises(RuntimeError, match="init_process_group"):
         make_optimizer(ToyNet(), "p2p")
+
+
+@pytest.mark.parametrize("world_size, sizes", [(2, [600, 300, 300, 10, 10, 10, 10, 10, 10]),
+                                               (3, [600, 400, 400, 200, 200])],
+                         ids=["two-ranks", "three-ranks"])
+def test_shards_hold_equal_elements_where_the_sizes_allow(single_rank_group, monkeypatch, world_size, sizes):
+    """Sizes that split into equal element counts (by hand: 630 + 630; 600 + 600 + 600) and whose largest-first
+    sharing finds the split; sharing by parameter count would not (930 + 330; 800 + 600 + 400)."""
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world_size)  # owners only: no step
+    params = [torch.nn.Parameter(torch.zeros(size)) for size in sizes]
+    optimizer = ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)
+    loads = [sum(p.numel() for p in params if optimizer.owner(p) == rank) for rank in range(world_size)]
+    assert loads == [sum(sizes) // world_size] * world_size
