@@ -21,9 +21,10 @@ from test_train_py_two_processes import CLIP, checkpoint, record_into
 
 STEPS, STOP_AT = 4, 2
 # Four ranks of batch 2 need 8 validation windows: two batches.
-RUN = ["--accelerator", "cpu", "--devices", "4", "--max_steps", str(STEPS), "--accumulate_grad_batches", "2",
-       "--trainer.gradient_clip_val", CLIP, "--model.warmup_steps", "1", "--trainer.val_check_interval", "2",
-       "--data.val_batches", "2", "--checkpointing_interval", str(STOP_AT), "--trainer.logger", "false"]
+TRAINING = ["--accelerator", "cpu", "--max_steps", str(STEPS), "--accumulate_grad_batches", "2",
+            "--trainer.gradient_clip_val", CLIP, "--model.warmup_steps", "1", "--trainer.val_check_interval", "2",
+            "--data.val_batches", "2", "--checkpointing_interval", str(STOP_AT)]
+RUN = [*TRAINING, "--devices", "4", "--trainer.logger", "false"]
 RESUMED = "zero3"
 
 
