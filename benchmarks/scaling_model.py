@@ -92,8 +92,9 @@ def _meta_model(config: ModelConfig) -> TransformerLM:
 
 @cache
 def shape(name: str) -> Shape:
-    """xl and 2.7b from their measured one-GPU steps; "8b" from the 2.7b's FLOP rate and activations per layer,
-    d_model and token (the 8B does not fit one GPU at this batch: its one-GPU step is a quantity of the model)."""
+    """xl and 2.7b from their measured one-GPU steps; "8b" from the 2.7b's forward and backward FLOP rate, its own
+    AdamW, and the measured activations per layer, d_model and token (the 8B does not fit one GPU at this batch: its
+    one-GPU step is a quantity of the model)."""
     config = EIGHT_B if name == "8b" else ModelConfig.from_name(name, context_length=1024)
     model = _meta_model(config)
     params = model.num_parameters()
@@ -102,8 +103,9 @@ def shape(name: str) -> Shape:
         activations = peak - 16 * params / GIB
     else:
         reference = _meta_model(ModelConfig.from_name("2.7b", context_length=1024))
-        flops_rate = TOKENS * reference.flops_per_token() / ONE_GPU["2.7b"][0]
-        step = TOKENS * model.flops_per_token() / flops_rate
+        reference_compute = ONE_GPU["2.7b"][0] - ADAMW_MS_PER_PARAM * reference.num_parameters()
+        flops_per_ms = TOKENS * reference.flops_per_token() / reference_compute
+        step = TOKENS * model.flops_per_token() / flops_per_ms + ADAMW_MS_PER_PARAM * params
         activations = _activation_bytes_per_layer_width_token() * config.num_layers * config.d_model * TOKENS / GIB
     buckets = {cap: tuple(sum(p.numel() * 4 for p in b) / 2**20 for b in gradient_buckets(model, cap))
                for cap in (ONE_HOST_BUCKET_MB, ACROSS_HOSTS_BUCKET_MB)}
