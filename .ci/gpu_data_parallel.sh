@@ -6,6 +6,9 @@
 #             torch's ShardedGradScaler: passed on 2 x H100), zero1's runs of the strategies' GPU tests, and the
 #             gpu-marked compat tests (NCCL's grouped launch of reduces)
 #   resumes   the zero1 and zero3 two-GPU resumes (passed 2026-11-26)
+#   tests_4gpu  on four GPUs: python train.py --devices 4 for bucketed_ddp, zero1 and zero3 in bf16-mixed against
+#             torch DDP (tests/test_train_py_4gpu.py; not yet run on GPUs)
+#   resumes_4gpu  the zero1 and zero3 four-GPU resumes (not yet run on GPUs)
 #   compiled_tests  bucketed_ddp compiled in runs of blocks (--model.compile buckets) against torch DDP, bf16-mixed and
 #             16-mixed (passed on 2 x H200, 2026-11-27)
 #   scaling   xl compiled at 1024 x 8 per GPU through train.py, two rounds, interleaved (results are written after
@@ -77,6 +80,15 @@ for stage in "${STAGES[@]}"; do
         run compiled_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py -k compile \
             --junitxml="$OUT/compiled_2gpu.xml"
         ;;
+    tests_4gpu)
+        run train_py_4gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_4gpu.py \
+            -k "bf16-mixed and (bucketed_ddp or zero1 or zero3) and not compile and not all_reduce" \
+            --junitxml="$OUT/train_py_4gpu.xml"
+        ;;
+    resumes_4gpu)
+        run resumes_4gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_4gpu.py \
+            -k "resume and (zero1 or zero3)" --junitxml="$OUT/resumes_4gpu.xml"
+        ;;
     resumes)
         run resumes_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py \
             -k "resume and (zero1 or zero3)" --junitxml="$OUT/resumes_2gpu.xml"
@@ -115,7 +127,7 @@ for stage in "${STAGES[@]}"; do
             --attention sdpa --rounds 6 --out-dir "$OUT/train_step"
         ;;
     *)
-        echo "unknown stage $stage (tests, compiled_tests, resumes, scaling, zero1, eager, trace, zero3_prefetch," \
+        echo "unknown stage $stage (tests, tests_4gpu, resumes_4gpu, compiled_tests, resumes, scaling, zero1, eager, trace, zero3_prefetch," \
             "host_pair, interference, compile_runs, train_step)"; exit 2
         ;;
     esac

@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -173,9 +173,11 @@ class TrainPy:
         return {**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **extra}
 
     @contextmanager
-    def start(self, *args: str, cwd: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-        """``train.py args`` running; killed (with every process it started) on leaving the block if still alive."""
-        process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd,
+    def start(self, *args: str, cwd: Path, env: dict[str, str] | None = None, launcher: Sequence[str] = ()
+              ) -> Iterator[subprocess.Popen]:
+        """``python [launcher] train.py args`` running (``launcher``: say ``-m torch.distributed.run --nnodes 2 ...``);
+        killed, with every process it started, on leaving the block if still alive."""
+        process = subprocess.Popen([sys.executable, *launcher, str(REPO / "train.py"), *args], cwd=cwd,
                                    env=env or self.environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, start_new_session=True)
         try:

@@ -8,7 +8,7 @@ training windows are a function of seed, world size, rank and batch index, so tw
 strategy see the same batches): closer to it than a tenth of the distance DDP's weights travelled, which a
 strategy that averaged nothing, or clipped each rank's own norm, would miss. A two-GPU run resumed from
 a step checkpoint ends where the uninterrupted run ends, and SIGTERM stops both ranks (the strategies agree on it
-over gloo beside NCCL).
+over gloo beside NCCL). tests/test_train_py_4gpu.py runs the same tests on four GPUs.
 """
 
 from __future__ import annotations
@@ -37,9 +37,15 @@ pytestmark = [
 ]
 
 
-def train_py_2gpu(train_py, run_dir: Path, cache_dir: Path, *args: str) -> None:
+@pytest.fixture(scope="module")
+def devices() -> int:
+    """GPUs a run takes (tests/test_train_py_4gpu.py runs this file's tests with 4)."""
+    return 2
+
+
+def train_py_on_gpus(train_py, run_dir: Path, cache_dir: Path, devices: int, *args: str) -> None:
     """One run (35-80 s on two H100s): the 600 s test limit holds two, as the DDP reference and a strategy's."""
-    train_py.run_ok("--devices", "2", "--max_steps", str(STEPS), "--accumulate_grad_batches", "2",
+    train_py.run_ok("--devices", str(devices), "--max_steps", str(STEPS), "--accumulate_grad_batches", "2",
                     "--trainer.gradient_clip_val", str(CLIP), "--trainer.val_check_interval", "6",
                     "--trainer.log_every_n_steps", "2", "--trainer.enable_progress_bar", "false",
                     "--model.sample_tokens", "8", "--data.cache_dir", str(cache_dir),
@@ -58,14 +64,15 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, cache_dir, train_py):
+def ddp_run(tmp_path_factory, cache_dir, train_py, devices):
     """torch DDP's run in a precision (its folder also holds its initial weights), made once when first asked for."""
     runs: dict[str, Path] = {}
 
     def run(precision: str) -> Path:
         if precision not in runs:
             runs[precision] = tmp_path_factory.mktemp(f"ddp_{precision}")
-            train_py_2gpu(train_py, runs[precision], cache_dir, "--strategy", "ddp", "--precision", precision)
+            train_py_on_gpus(train_py, runs[precision], cache_dir, devices, "--strategy", "ddp",
+                             "--precision", precision)
         return runs[precision]
 
     return run
@@ -73,17 +80,18 @@ def ddp_run(tmp_path_factory, cache_dir, train_py):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("strategy", REPLICATED + SHARDED)
-def test_strategy_trains_like_torch_ddp(strategy, precision, tmp_path, cache_dir, ddp_run, train_py):
+def test_strategy_trains_like_torch_ddp(strategy, precision, devices, tmp_path, cache_dir, ddp_run, train_py):
     if strategy == "fsdp2" and precision == "16-mixed":
         pytest.skip("Lightning's ModelParallelStrategy takes no 16-mixed (no sharded GradScaler)")
-    train_py_2gpu(train_py, tmp_path, cache_dir, "--strategy", *strategy.split(), "--precision", precision)
+    train_py_on_gpus(train_py, tmp_path, cache_dir, devices, "--strategy", *strategy.split(), "--precision", precision)
     assert_trained(tmp_path)
     norms = logged(tmp_path, "train/grad_norm")
     assert min(norms) > CLIP, f"clipping must engage on every logged step: {norms}"
     if strategy in REPLICATED:
-        replicas = [torch.load(tmp_path / f"weights_rank{rank}.pt", map_location="cpu") for rank in (0, 1)]
+        replicas = [torch.load(tmp_path / f"weights_rank{rank}.pt", map_location="cpu") for rank in range(devices)]
         for name, weight in replicas[0].items():
-            assert torch.equal(weight, replicas[1][name]), f"{name} differs between the ranks"
+            for rank, replica in enumerate(replicas[1:], start=1):
+                assert torch.equal(weight, replica[name]), f"{name} differs between ranks 0 and {rank}"
     reference = checkpoint_weights(ddp_run(precision))
     ours = checkpoint_weights(tmp_path)
     travelled = distance(reference, _initial_weights(ddp_run(precision)))
@@ -100,15 +108,15 @@ def _initial_weights(ddp_run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("strategy", ["bucketed_ddp", "zero1", "zero3"])
 @pytest.mark.timeout(900)  # three runs
-def test_resume_on_two_gpus_ends_where_the_uninterrupted_run_ends(strategy, tmp_path, cache_dir, train_py):
+def test_resume_ends_where_the_uninterrupted_run_ends(strategy, devices, tmp_path, cache_dir, train_py):
     whole, first, resumed = (tmp_path / name for name in ("whole", "first", "resumed"))
     for folder in (whole, first, resumed):
         folder.mkdir()
     common = ["--strategy", strategy, "--precision", "bf16-mixed", "--model.attention", "naive"]
-    train_py_2gpu(train_py, whole, cache_dir, *common)
-    train_py_2gpu(train_py, first, cache_dir, *common, "--checkpointing_interval", str(STEPS // 2))
+    train_py_on_gpus(train_py, whole, cache_dir, devices, *common)
+    train_py_on_gpus(train_py, first, cache_dir, devices, *common, "--checkpointing_interval", str(STEPS // 2))
     middle = version_dir(first) / "checkpoints" / f"step={STEPS // 2}.ckpt"
-    train_py_2gpu(train_py, resumed, cache_dir, *common, "--ckpt_path", str(middle))
+    train_py_on_gpus(train_py, resumed, cache_dir, devices, *common, "--ckpt_path", str(middle))
     assert torch.load(version_dir(resumed) / "checkpoints" / "last.ckpt", map_location="cpu",
                       weights_only=False)["global_step"] == STEPS
     expected, got = checkpoint_weights(whole), checkpoint_weights(resumed)
