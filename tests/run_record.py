@@ -85,7 +85,8 @@ def replay(records: list[dict[str, Any]]) -> dict[str, Any]:
     for record in records:
         assert len(record["batches"]) == steps * accumulate, "every rank trained max_steps × accumulate micro-batches"
 
-    model = TransformerLM(ModelConfig(**first["config"]))
+    # The plain path the run's options must match: every activation kept, the logits whole, their cross-entropy below.
+    model = TransformerLM(ModelConfig(**{**first["config"], "activation_checkpointing": "none", "fused_loss": False}))
     model.load_state_dict({name.removeprefix("model."): value for name, value in first["initial"].items()})
     optimizer = torch.optim.AdamW(adamw_param_groups(model, hparams["weight_decay"]), lr=hparams["lr"],
                                   betas=tuple(hparams["betas"]))

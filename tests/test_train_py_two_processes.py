@@ -37,7 +37,11 @@ FUSED = "--trainer.callbacks+=tests.fused_adamw.FusedAdamWOnCPU"  # fused AdamW 
 # Three blocks in three buckets of 80 kB: compiled as a run of two blocks (one graph) and one of one.
 COMPILED_RUNS = "bucketed_ddp --model.compile buckets --model.num_layers 3 --trainer.strategy.bucket_size_mb 0.08"
 ZERO3_PREFETCH_2 = f"zero3 {FUSED} --trainer.strategy.prefetch 2"  # all-gathers started two units ahead
-STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp", f"bucketed_ddp {FUSED}", ZERO3_PREFETCH_2, COMPILED_RUNS]
+# The leaderboard step's recipe, scaled down: each block recomputed in backward, the fused loss, synthetic tokens.
+ZERO3_RECOMPUTED = "zero3 --model.activation_checkpointing blocks --data.synthetic true"
+BUCKETED_SELECTIVE = "bucketed_ddp --model.activation_checkpointing selective"
+STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp", f"bucketed_ddp {FUSED}", ZERO3_PREFETCH_2, COMPILED_RUNS,
+              ZERO3_RECOMPUTED, BUCKETED_SELECTIVE]
 
 
 @pytest.fixture(scope="module")
