@@ -8,7 +8,6 @@ windows of a corpus do (``lm_systems.data.windows``).
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Iterator
 
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from lm_systems.data.windows import worker_shard
+from lm_systems.data.windows import BatchStream, worker_shard
 
 TRAINING, VALIDATION = 0, 1
 """The last number of a generator's key: training and validation batches never share a key."""
@@ -28,24 +27,17 @@ def synthetic_batch(key: list[int], batch_size: int, window: int, vocab_size: in
     return torch.from_numpy(generator.integers(0, vocab_size, size=(batch_size, window), dtype=np.int64))
 
 
-class SyntheticTrainStream(IterableDataset):
+class SyntheticTrainStream(BatchStream):
     """Endless (batch_size, context_length + 1) batches of random ids for one rank, from ``start_batch`` on."""
 
     def __init__(self, vocab_size: int, context_length: int, batch_size: int, seed: int, rank: int = 0,
                  world_size: int = 1, start_batch: int = 0) -> None:
+        super().__init__(context_length, batch_size, seed, rank, world_size, start_batch)
         self.vocab_size = vocab_size
-        self.window = context_length + 1
-        self.batch_size = batch_size
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.start_batch = start_batch
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        worker, num_workers = worker_shard()
-        for batch_index in itertools.count(self.start_batch + worker, num_workers):
-            key = [self.seed, self.world_size, self.rank, batch_index, TRAINING]
-            yield synthetic_batch(key, self.batch_size, self.window, self.vocab_size)
+    def batch(self, source: object, batch_index: int) -> torch.Tensor:
+        key = [self.seed, self.world_size, self.rank, batch_index, TRAINING]
+        return synthetic_batch(key, self.batch_size, self.window, self.vocab_size)
 
 
 class SyntheticValidation(IterableDataset):

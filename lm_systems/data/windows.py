@@ -66,8 +66,35 @@ def worker_shard() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-class TrainWindowStream(IterableDataset):
-    """Endless batches of random (batch_size, context_length + 1) windows for one rank, from ``start_batch`` on.
+class BatchStream(IterableDataset):
+    """Endless batches for one rank from ``start_batch`` on, batch ``k`` made by ``batch(source, k)``: a pure function
+    of (seed, world size, rank, k), so resuming and DataLoader workers need no state. ``source`` is what ``open``
+    gives in the process that iterates (a memmap is opened there, not pickled into a worker whole)."""
+
+    def __init__(self, context_length: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 start_batch: int = 0) -> None:
+        self.window = context_length + 1
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.start_batch = start_batch
+
+    def open(self) -> object:
+        return None
+
+    def batch(self, source: object, batch_index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        source = self.open()
+        worker, num_workers = worker_shard()
+        for batch_index in itertools.count(self.start_batch + worker, num_workers):
+            yield self.batch(source, batch_index)
+
+
+class TrainWindowStream(BatchStream):
+    """Endless batches of random (batch_size, context_length + 1) windows of a token file for one rank.
 
     With ``vocab_size``, an id at or above it (a damaged cache file) is an error naming the file.
     """
@@ -83,27 +110,18 @@ class TrainWindowStream(IterableDataset):
         start_batch: int = 0,
         vocab_size: int | None = None,
     ) -> None:
+        super().__init__(context_length, batch_size, seed, rank, world_size, start_batch)
         self.tokens_path = str(tokens_path)
         self.vocab_size = vocab_size
-        self.window = context_length + 1
-        self.batch_size = batch_size
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.start_batch = start_batch
+
+    def open(self) -> np.ndarray:
+        return np.load(self.tokens_path, mmap_mode="r")
 
     def batch(self, tokens: np.ndarray, batch_index: int) -> torch.Tensor:
         starts = train_window_starts(
             self.seed, self.rank, self.world_size, batch_index, self.batch_size, len(tokens), self.window
         )
         return checked_ids(gather_windows(tokens, starts, self.window), self.vocab_size, self.tokens_path)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        # Opened here, not in __init__: a memmap pickled into a worker process would be copied whole.
-        tokens = np.load(self.tokens_path, mmap_mode="r")
-        worker, num_workers = worker_shard()
-        for batch_index in itertools.count(self.start_batch + worker, num_workers):
-            yield self.batch(tokens, batch_index)
 
 
 class ValidationWindows(IterableDataset):
