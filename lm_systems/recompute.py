@@ -27,18 +27,20 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 RECOMPUTE_POLICIES = ("none", "blocks", "keep_attention", "selective")
 
 _aten = torch.ops.aten
-_ATTENTION_OPS = {
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-_ATTENTION_OP_NAMES = ("lm_systems::flash_attention_forward",)  # the Triton kernel's op under torch.compile
 _MATMUL_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 
 
+@functools.cache
+def _attention_ops() -> frozenset:
+    """SDPA's kernels, and the Triton kernel's forward op where triton is installed (it is what torch.compile sees)."""
+    ops = {_aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+           _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default}
+    triton_forward = getattr(torch.ops.lm_systems, "flash_attention_forward", None)
+    return frozenset(ops | {triton_forward.default} if triton_forward is not None else ops)
+
+
 def _is_attention(op) -> bool:
-    return op in _ATTENTION_OPS or (isinstance(op, torch._ops.OpOverload) and op.name() in _ATTENTION_OP_NAMES)
+    return op in _attention_ops()
 
 
 def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
