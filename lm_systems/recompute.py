@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lm_systems.compat.torch import sdpa_kernel_ops
+
 RECOMPUTE_POLICIES = ("none", "blocks", "keep_attention", "selective")
 
 _aten = torch.ops.aten
@@ -33,8 +35,7 @@ _MATMUL_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.b
 @functools.cache
 def _attention_ops() -> frozenset:
     """SDPA's kernels, and the Triton kernel's forward op where triton is installed (it is what torch.compile sees)."""
-    ops = {_aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
-           _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default}
+    ops = sdpa_kernel_ops()
     triton_forward = getattr(torch.ops.lm_systems, "flash_attention_forward", None)
     return frozenset(ops | {triton_forward.default} if triton_forward is not None else ops)
 

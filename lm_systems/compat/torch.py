@@ -88,3 +88,11 @@ def record_memory_history(max_entries: Optional[int]) -> None:
 def dump_memory_snapshot(path: str) -> None:
     """Write the recorded allocations to ``path`` (a pickle that https://pytorch.org/memory_viz opens)."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+def sdpa_kernel_ops() -> set:
+    """The aten ops ``scaled_dot_product_attention`` dispatches to on each backend (flash, memory-efficient, cuDNN,
+    the CPU's flash), whose outputs an activation checkpointing policy tells apart from other ops."""
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from lm_systems.compat import torch as compat
 
 
@@ -167,3 +169,17 @@ def test_launched_as_one_groups_nccl_reduces_into_one_work(one_rank_group):
     assert len(works) == 1, broken("ProcessGroup._start_coalescing / _end_coalescing")
     works[0].wait()
     assert [t.tolist() for t in tensors] == [[2.0] * 3, [3.0] * 5]
+
+
+def test_sdpa_runs_one_of_the_kernel_ops_named():
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 2, 8, 16)
+    with Ops():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert set(seen) & compat.sdpa_kernel_ops()
