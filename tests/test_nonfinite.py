@@ -78,8 +78,10 @@ class _PoisonedLM(LitLM):
         return norm, divisor
 
 
+# The plain loss, as the plain loops below compute it: the fused loss sums in another order, which AdamW turns into
+# moves above these bounds for weights whose gradient is near zero.
 MODEL = dict(size="tiny", d_model=32, num_layers=1, num_heads=2, d_ff=64, context_length=16, warmup_steps=2,
-             sample_prompt="", lr=1e-2)
+             sample_prompt="", lr=1e-2, fused_loss=False)
 CLIP = 1.0
 
 
