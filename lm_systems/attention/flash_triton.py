@@ -21,9 +21,10 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from lm_systems.attention.flash_torch import check_attention_inputs
+from lm_systems.attention.flash_function import flash_attention_function
 from lm_systems.attention.flash_triton_autotune import AUTOTUNED, TUNED, interpreting
 from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kernel
+from lm_systems.attention.inputs import check_attention_inputs
 from lm_systems.attention.registry import register_attention
 from lm_systems.attention.triton_launch import CachedLaunch
 
@@ -246,35 +247,11 @@ def flash_backward_triton(
     return _backward(_EAGER_KERNELS, q, k, v, out, lse, grad_out, is_causal)
 
 
-class _FlashAttention2TritonFunction(torch.autograd.Function):
-    """The autograd Function: Triton forward, Triton backward, saving only L beside q, k, v, O."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        if torch.is_autocast_enabled(q.device.type):
-            dtype = torch.get_autocast_dtype(q.device.type)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        out, lse = flash_forward_triton(q, k, v, is_causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.is_causal = is_causal
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward_triton(q, k, v, out, lse, grad_out, ctx.is_causal)
-        return dq, dk, dv, None
-
-
-class FlashAttention2Triton(_FlashAttention2TritonFunction):
-    """FlashAttention-2 with Triton kernels for forward and backward: ``FlashAttention2Triton.apply(q, k, v, is_causal)``."""
-
-    @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        # A plain function around the inherited apply, so that torch.compile(FlashAttention2Triton.apply)
-        # compiles a frame that calls an autograd Function, which Dynamo traces; compiling the inherited
-        # classmethod itself failed on torch 2.11 ("Can't construct an AttrSource without a valid base source").
-        return _FlashAttention2TritonFunction.apply(q, k, v, is_causal)
+class FlashAttention2Triton(
+    flash_attention_function(flash_forward_triton, flash_backward_triton, autocast_inputs=True)
+):
+    """FlashAttention-2 with Triton kernels for forward and backward: ``FlashAttention2Triton.apply(q, k, v, is_causal)``;
+    saves only L beside q, k, v, O."""
 
 
 # The longest sequence ``auto`` gives flash_triton. Through train.py on an H100, compiled, the step with flash_triton
