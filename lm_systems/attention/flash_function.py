@@ -24,7 +24,7 @@ Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 def flash_attention_function(
     compute_forward: Forward, compute_backward: Backward, *, autocast_inputs: bool = False
 ) -> type[torch.autograd.Function]:
-    """The autograd Function over ``compute_forward`` and ``compute_backward``, with ``apply`` a plain function of (q, k, v, is_causal).
+    """The autograd Function over ``compute_forward`` and ``compute_backward``, its ``apply`` a plain function.
 
     ``autocast_inputs``: under autocast, cast q, k, v to the autocast dtype first (what PyTorch does for its own
     attention), for kernels that take one dtype for all three and cannot follow autocast op by op.
@@ -51,8 +51,8 @@ def flash_attention_function(
         @staticmethod
         def apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
             # A plain function around the inherited apply, so that torch.compile(Subclass.apply) compiles a frame
-            # that calls an autograd Function, which Dynamo traces; compiling the inherited classmethod itself fails
-            # ("Can't construct an AttrSource without a valid base source").
+            # that calls an autograd Function, which Dynamo traces; Dynamo fails to compile the inherited
+            # classmethod itself.
             return Function.apply(q, k, v, is_causal)
 
     return FunctionWithPlainApply

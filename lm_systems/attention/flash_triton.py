@@ -209,7 +209,9 @@ def _backward(
 
 
 @triton_op("lm_systems::flash_attention_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(_COMPILED_KERNELS, q, k, v, is_causal)
 
 
@@ -245,8 +247,8 @@ def flash_backward_triton(
 class FlashAttention2Triton(
     flash_attention_function(flash_forward_triton, flash_backward_triton, autocast_inputs=True)
 ):
-    """FlashAttention-2 with Triton kernels for forward and backward: ``FlashAttention2Triton.apply(q, k, v, is_causal)``;
-    saves only L beside q, k, v, O."""
+    """FlashAttention-2 with Triton kernels for forward and backward:
+    ``FlashAttention2Triton.apply(q, k, v, is_causal)``; saves only L beside q, k, v, O."""
 
 
 # The longest sequence ``auto`` gives flash_triton: compiled through train.py, the step with flash_triton is faster
