@@ -75,8 +75,8 @@ def flash_forward_torch(
 
     out = acc / torch.where(l == 0, 1.0, l)[..., None]
     lse = m + torch.log(l)  # -inf for rows that see no key
-    # Fresh tensors rather than views of the padded tiles: torch 2.11 compiled a Function whose
-    # output aliased an intermediate into zero gradients (pytorch/pytorch#180642 is that family).
+    # Fresh tensors rather than views of the padded tiles: torch.compile can turn a Function whose output
+    # aliases an intermediate into zero gradients (pytorch/pytorch#180642 is that family).
     out = out.reshape(out.shape[0], -1, d)[:, :n_q].reshape(*lead, n_q, d).to(q.dtype, copy=True)
     lse = lse.reshape(lse.shape[0], -1)[:, :n_q].reshape(*lead, n_q).clone()
     return out, lse
