@@ -113,7 +113,7 @@ def _with_tflops(row: dict, times: dict, flops: dict) -> dict:
 
 
 def headline(args: argparse.Namespace) -> None:
-    from lm_systems.attention.flash_triton_autotune import tuned_configs
+    from lm_systems.attention.tuning import tuned_configs
 
     impls = implementations(["flash_triton_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn"])
     rows = []

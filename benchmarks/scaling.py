@@ -61,7 +61,7 @@ from typing_extensions import override
 
 from benchmarks import gpu_timeline
 from benchmarks.report import argument_parser, write_results
-from lm_systems.attention.tuning_cache import CACHE_ENV
+from lm_systems.attention.tuning import CACHE_ENV
 from lm_systems.compat.lightning import compute_dtype
 from lm_systems.config import MODEL_SIZES
 from lm_systems.hardware import peak_flops

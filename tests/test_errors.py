@@ -159,7 +159,7 @@ def test_the_os_error_behind_a_runtime_error_is_found(tmp_path):
 @pytest.fixture
 def no_interpreter(monkeypatch):
     """flash_triton as on a machine without TRITON_INTERPRET (the suite runs its kernels interpreted)."""
-    monkeypatch.setattr("lm_systems.attention.flash_triton_autotune._INTERPRETING", False)
+    monkeypatch.setattr("lm_systems.attention.tuning._INTERPRETING", False)
 
 
 @pytest.mark.parametrize(

@@ -16,34 +16,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lm_systems.attention.flash_function import flash_attention_function
+from lm_systems.attention.inputs import check_attention_inputs
 from lm_systems.attention.registry import register_attention
 
 Q_TILE = 64
-"""Queries per tile (the issue asks for tiles of at least 16 × 16)."""
+"""Queries per tile."""
 K_TILE = 64
 """Keys per tile: one step of the online softmax."""
-
-
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caller: str) -> None:
-    """Raise a ValueError naming the mismatch unless q, k, v are ``(..., N_q, d)``, ``(..., N_k, d)`` twice."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() < 2:
-            raise ValueError(f"{caller}: {name} must be shaped (..., N, d), got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{caller}: {name} must be a floating-point tensor, got {t.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{caller}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{caller}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"{caller}: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"{caller}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in leading dims and head dim "
-            "(only the sequence length, dim -2, may differ)"
-        )
-    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
-        raise ValueError(f"{caller}: empty sequence or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
 def _tiles(x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -95,8 +75,8 @@ def flash_forward_torch(
 
     out = acc / torch.where(l == 0, 1.0, l)[..., None]
     lse = m + torch.log(l)  # -inf for rows that see no key
-    # Fresh tensors rather than views of the padded tiles: torch 2.11 compiled a Function whose
-    # output aliased an intermediate into zero gradients (pytorch/pytorch#180642 is that family).
+    # Fresh tensors rather than views of the padded tiles: torch.compile can turn a Function whose output
+    # aliases an intermediate into zero gradients (pytorch/pytorch#180642 is that family).
     out = out.reshape(out.shape[0], -1, d)[:, :n_q].reshape(*lead, n_q, d).to(q.dtype, copy=True)
     lse = lse.reshape(lse.shape[0], -1)[:, :n_q].reshape(*lead, n_q).clone()
     return out, lse
@@ -144,32 +124,9 @@ def flash_backward_torch(
     return dq, dk, dv
 
 
-class _FlashAttention2TorchFunction(torch.autograd.Function):
-    """The autograd Function: tiled forward, recomputing backward, saving only L beside q, k, v, O."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        out, lse = flash_forward_torch(q, k, v, is_causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.is_causal = is_causal
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward_torch(q, k, v, out, lse, grad_out, ctx.is_causal)
-        return dq, dk, dv, None
-
-
-class FlashAttention2Torch(_FlashAttention2TorchFunction):
-    """FlashAttention-2 in plain PyTorch: ``FlashAttention2Torch.apply(q, k, v, is_causal)``."""
-
-    @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        # A plain function around the inherited apply: torch.compile(FlashAttention2Torch.apply) then
-        # compiles a frame that calls an autograd Function, the pattern Dynamo traces (compiling the
-        # inherited classmethod itself failed for the Triton twin on torch 2.11).
-        return _FlashAttention2TorchFunction.apply(q, k, v, is_causal)
+class FlashAttention2Torch(flash_attention_function(flash_forward_torch, flash_backward_torch)):
+    """FlashAttention-2 in plain PyTorch: ``FlashAttention2Torch.apply(q, k, v, is_causal)``; saves only L beside
+    q, k, v, O."""
 
 
 @register_attention("flash_torch")

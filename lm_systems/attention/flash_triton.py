@@ -21,18 +21,19 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from lm_systems.attention.flash_torch import check_attention_inputs
-from lm_systems.attention.flash_triton_autotune import AUTOTUNED, TUNED, interpreting
+from lm_systems.attention.eager_launch import CachedLaunch
+from lm_systems.attention.flash_function import flash_attention_function
 from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kernel
+from lm_systems.attention.inputs import check_attention_inputs
 from lm_systems.attention.registry import register_attention
-from lm_systems.attention.triton_launch import CachedLaunch
+from lm_systems.attention.tuning import TUNED_FOR_COMPILE, TUNED_FOR_EAGER, interpreting
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PREPROCESS_BLOCK = 64  # rows per program of the memory-bound D = rowsum(dO ∘ O) kernel
 # Grid order: heads-first grids (B·H, tiles) launch the longest causal tiles of every head first, so
 # the tail of a launch holds only short programs; tiles-first grids (tiles, B·H) keep fewer heads' K and
-# V in flight, which pays at d = 128 (an A/B of the two orders on an H100 set the threshold).
+# V in flight, which pays at d = 128 (docs/attention.md gives the A/B of the two orders that set the threshold).
 HEADS_FIRST_MAX_HEAD_DIM = 64
 # The backward passes load their tiles through tensor descriptors (TMA) on GPUs of compute capability 9 (Hopper)
 # and newer. Set to "0" for pointer loads everywhere, "1" for descriptors wherever the layout allows, the CPU
@@ -146,9 +147,9 @@ class _Kernels(NamedTuple):
 # machine) and launches them from its generated code, without the dispatcher round trip or Triton's Python
 # autotuner and launcher on every call.
 _EAGER_KERNELS = _Kernels(*(CachedLaunch(kernel) for kernel in (
-    TUNED["fwd"], attn_bwd_preprocess_kernel, TUNED["dkdv"], TUNED["dq"])))
-_TRACED_KERNELS = _Kernels(*(wrap_triton(kernel) for kernel in (
-    AUTOTUNED["fwd"], attn_bwd_preprocess_kernel, AUTOTUNED["dkdv"], AUTOTUNED["dq"])))
+    TUNED_FOR_EAGER["fwd"], attn_bwd_preprocess_kernel, TUNED_FOR_EAGER["dkdv"], TUNED_FOR_EAGER["dq"])))
+_COMPILED_KERNELS = _Kernels(*(wrap_triton(kernel) for kernel in (
+    TUNED_FOR_COMPILE["fwd"], attn_bwd_preprocess_kernel, TUNED_FOR_COMPILE["dkdv"], TUNED_FOR_COMPILE["dq"])))
 
 
 def _forward(
@@ -178,7 +179,7 @@ def _backward(
     n_k = k4.shape[2]
     dims = _kernel_dims(d, n_q, n_k)
     sm_scale = 1.0 / math.sqrt(d)
-    eager = kernels is _EAGER_KERNELS  # real tensors; the traced ones are torch.compile's fakes
+    eager = kernels is _EAGER_KERNELS  # real tensors; under torch.compile they are fakes
     tma = tma_loads((q4, k4, v4, do4), addresses_known=eager)
     if tma and eager and not interpreting():
         # Per call: Triton keeps the allocator per thread, and backward runs on autograd's. Inductor sets its own.
@@ -208,8 +209,10 @@ def _backward(
 
 
 @triton_op("lm_systems::flash_attention_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(_TRACED_KERNELS, q, k, v, is_causal)
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(_COMPILED_KERNELS, q, k, v, is_causal)
 
 
 @triton_op("lm_systems::flash_attention_backward", mutates_args=())
@@ -217,7 +220,7 @@ def _backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     grad_out: torch.Tensor, is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(_TRACED_KERNELS, q, k, v, out, lse, grad_out, is_causal)
+    return _backward(_COMPILED_KERNELS, q, k, v, out, lse, grad_out, is_causal)
 
 
 def flash_forward_triton(
@@ -231,12 +234,7 @@ def flash_forward_triton(
 
 
 def flash_backward_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    grad_out: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV: the D preprocess, then the dK/dV pass and the dQ pass."""
@@ -246,40 +244,16 @@ def flash_backward_triton(
     return _backward(_EAGER_KERNELS, q, k, v, out, lse, grad_out, is_causal)
 
 
-class _FlashAttention2TritonFunction(torch.autograd.Function):
-    """The autograd Function: Triton forward, Triton backward, saving only L beside q, k, v, O."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        if torch.is_autocast_enabled(q.device.type):
-            dtype = torch.get_autocast_dtype(q.device.type)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        out, lse = flash_forward_triton(q, k, v, is_causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.is_causal = is_causal
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward_triton(q, k, v, out, lse, grad_out, ctx.is_causal)
-        return dq, dk, dv, None
+class FlashAttention2Triton(
+    flash_attention_function(flash_forward_triton, flash_backward_triton, autocast_inputs=True)
+):
+    """FlashAttention-2 with Triton kernels for forward and backward:
+    ``FlashAttention2Triton.apply(q, k, v, is_causal)``; saves only L beside q, k, v, O."""
 
 
-class FlashAttention2Triton(_FlashAttention2TritonFunction):
-    """FlashAttention-2 with Triton kernels for forward and backward: ``FlashAttention2Triton.apply(q, k, v, is_causal)``."""
-
-    @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        # A plain function around the inherited apply, so that torch.compile(FlashAttention2Triton.apply)
-        # compiles a frame that calls an autograd Function, which Dynamo traces; compiling the inherited
-        # classmethod itself failed on torch 2.11 ("Can't construct an AttrSource without a valid base source").
-        return _FlashAttention2TritonFunction.apply(q, k, v, is_causal)
-
-
-# The longest sequence ``auto`` gives flash_triton. Through train.py on an H100, compiled, the step with flash_triton
-# was faster than sdpa's at contexts 512 and 2048 (xl) and slower at 8192 (medium), where sdpa's kernel leads
-# (benchmarks/results/long_context.md, train_step.md).
+# The longest sequence ``auto`` gives flash_triton: compiled through train.py, the step with flash_triton is faster
+# than sdpa's at contexts up to 2048 and slower at 8192, where sdpa's kernel leads
+# (benchmarks/results/train_step.md, long_context.md).
 AUTO_MAX_SEQ_LEN = 2048
 
 

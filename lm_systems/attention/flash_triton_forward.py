@@ -8,7 +8,7 @@ exponentiated with exp2; L is stored in natural log, so callers see the ordinary
 Causal masking (queries end-aligned, query i sees keys j <= i + N_k - N_q) visits tiles in two
 stages: tiles every row of the program sees, with no mask at all, then the few tiles along the
 diagonal (and the ragged end of the sequence) with one. Fully masked tiles are never visited.
-Kernels take their tile sizes as constexprs; ``flash_triton_autotune`` picks them. The backward
+Kernels take their tile sizes as constexprs; ``tuning`` picks them. The backward
 kernels live in ``flash_triton_backward``. Sequence lengths and the head count are not specialised
 on (``do_not_specialize``): one binary serves every length, instead of one per divisibility class.
 """

@@ -2,7 +2,7 @@
 
 Runs flash_triton's forward and backward once per shape on random inputs, so that each kernel's tile config is
 chosen (every candidate compiled and timed) and stored in the tuning cache of this machine
-(``lm_systems.attention.tuning_cache``). Later processes, eager or under torch.compile, launch the stored
+(``lm_systems.attention.tuning``). Later processes, eager or under torch.compile, launch the stored
 configs at once. A choice holds for a sequence-length bucket (the next power of two), a head dim, causality and
 a dtype; batch and heads are not in the key, so tune with the run's own (the fastest tiles depend on how many
 programs fill the GPU). Prints what each shape took: a shape already tuned takes seconds.
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from lm_systems.attention.tuning_cache import CACHE_ENV, TuningCache, default_cache_dir
+from lm_systems.attention.tuning import CACHE_ENV, TuningCache, default_cache_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,6 +1,6 @@
 """Triton's internals, each behind one public name (tests: tests/compat/test_triton.py). Imports no Lightning.
 
-``CachedLaunch`` (lm_systems.attention.triton_launch) launches the compiled kernel that ``kernel[grid](...)``
+``CachedLaunch`` (lm_systems.attention.eager_launch) launches the compiled kernel that ``kernel[grid](...)``
 returned, skipping Triton's per-call binding: a ``CompiledKernel`` launched directly is not public API.
 """
 

@@ -4,7 +4,7 @@ configs turn it back on). Tuned choices go to a fresh folder per test, never the
 
 import pytest
 
-from lm_systems.attention.tuning_cache import CACHE_ENV
+from lm_systems.attention.tuning import CACHE_ENV
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """FlashAttention2Triton against a float64 reference.
 
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
-on tiny shapes with small unequal tiles (flash_triton_autotune.INTERPRETER_CONFIG); with CUDA the
+on tiny shapes with small unequal tiles (tuning.INTERPRETER_CONFIG); with CUDA the
 same tests run the compiled kernels, and the `gpu` tests add long sequences, all three dtypes,
 torch.compile, autocast and a short training run against SDPA.
 """
@@ -85,12 +85,12 @@ def test_tiles_taller_than_wide_and_wider_than_tall(monkeypatch):
     # caches are emptied so no earlier choice is reused.
     import triton
 
-    from lm_systems.attention import flash_triton_autotune as autotune
+    from lm_systems.attention import tuning
 
     swapped = {"fwd": (16, 32), "dq": (16, 32), "dkdv": (32, 16)}
     for kind, (bm, bn) in swapped.items():
-        monkeypatch.setitem(autotune.INTERPRETER_CONFIG, kind, triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}))
-    for kernel in autotune.TUNED.values():
+        monkeypatch.setitem(tuning.INTERPRETER_CONFIG, kind, triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}))
+    for kernel in tuning.TUNED_FOR_EAGER.values():
         monkeypatch.setattr(kernel, "cache", {})
     for n_q, n_k in ((37, 50), (50, 19)):
         _check_against_reference(*_inputs((1, 2), n_q, n_k, 48, torch.float32), True)

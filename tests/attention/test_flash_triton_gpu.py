@@ -15,8 +15,7 @@ from attention_reference import reference_attention, rel_error  # noqa: E402
 from test_flash_triton import BOUNDS, _check_against_reference, _grads, _inputs  # noqa: E402
 from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_triton import _EAGER_KERNELS, TMA_ENV, FlashAttention2Triton, tma_loads  # noqa: E402
-from lm_systems.attention.flash_triton_autotune import AUTOTUNE_ENV  # noqa: E402
-from lm_systems.attention.tuning_cache import CACHE_ENV  # noqa: E402
+from lm_systems.attention.tuning import AUTOTUNE_ENV, CACHE_ENV  # noqa: E402
 from lm_systems.config import ModelConfig  # noqa: E402
 from lm_systems.model import TransformerLM  # noqa: E402
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lm_systems.attention.tuned_kernel import TunedKernel
+from lm_systems.attention.tuning import TunedKernel
 
 CONFIGS = [triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 16})]
 

@@ -18,9 +18,9 @@ if sys.platform != "linux":
 import triton  # noqa: E402
 
 from attention_reference import reference_attention, rel_error  # noqa: E402
-from lm_systems.attention import flash_triton_autotune as autotune  # noqa: E402
+from lm_systems.attention import tuning  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: E402
-from lm_systems.attention.tuning_cache import CACHE_ENV, TuningCache, default_cache_dir  # noqa: E402
+from lm_systems.attention.tuning import CACHE_ENV, TuningCache, default_cache_dir  # noqa: E402
 from lm_systems.fingerprint import fingerprint  # noqa: E402
 
 WORKER = Path(__file__).with_name("tuning_worker.py")
@@ -83,8 +83,8 @@ def _fresh_flash_kernels(monkeypatch, bench: _CountingBench) -> None:
     (the default tiles and a second pair), so that there is something to tune."""
     second = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16)}
     candidates = {kind: [config, triton.Config({"BLOCK_M": second[kind][0], "BLOCK_N": second[kind][1]})]
-                  for kind, config in autotune.INTERPRETER_CONFIG.items()}
-    for kind, kernel in autotune.TUNED.items():
+                  for kind, config in tuning.INTERPRETER_CONFIG.items()}
+    for kind, kernel in tuning.TUNED_FOR_EAGER.items():
         monkeypatch.setattr(kernel, "cache", {})
         monkeypatch.setattr(kernel, "bench", bench)
         monkeypatch.setattr(kernel, "prune", lambda configs, named, kind=kind: candidates[kind])
@@ -104,14 +104,14 @@ def test_flash_triton_tunes_once_then_reads_its_choices_from_disk(monkeypatch, t
     _flash_matches_reference()
     assert bench.calls == 6  # two candidates of each of the three tuned kernels
     assert len(list(tuning_cache_dir.glob("*.json"))) == 3
-    chosen = {kind: dict(kernel.cache) for kind, kernel in autotune.TUNED.items()}
+    chosen = {kind: dict(kernel.cache) for kind, kernel in tuning.TUNED_FOR_EAGER.items()}
     assert all(str(config).startswith("BLOCK_M: 16, BLOCK_N: 16") for c in chosen.values() for config in c.values())
 
     later = _CountingBench()
     _fresh_flash_kernels(monkeypatch, later)  # as a second process starts: nothing in memory
     _flash_matches_reference()
     assert later.calls == 0
-    assert {kind: dict(kernel.cache) for kind, kernel in autotune.TUNED.items()} == chosen
+    assert {kind: dict(kernel.cache) for kind, kernel in tuning.TUNED_FOR_EAGER.items()} == chosen
 
 
 def test_a_damaged_entry_is_reported_and_tuned_again(monkeypatch, tuning_cache_dir):
@@ -145,8 +145,8 @@ def test_the_kernel_source_hash_follows_the_kernel_files():
     from lm_systems.attention import flash_triton_backward, flash_triton_forward
 
     texts = [Path(module.__file__).read_text() for module in (flash_triton_forward, flash_triton_backward)]
-    assert autotune.KERNEL_SOURCE == fingerprint(texts)
-    assert fingerprint([texts[0] + "\n# an edit", texts[1]]) != autotune.KERNEL_SOURCE
+    assert tuning.KERNEL_SOURCE == fingerprint(texts)
+    assert fingerprint([texts[0] + "\n# an edit", texts[1]]) != tuning.KERNEL_SOURCE
 
 
 def test_location_and_clear(monkeypatch, tmp_path):

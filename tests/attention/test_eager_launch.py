@@ -14,7 +14,7 @@ if sys.platform != "linux":
 import triton  # noqa: E402
 from triton.compiler import CompiledKernel  # noqa: E402
 
-from lm_systems.attention.triton_launch import CachedLaunch  # noqa: E402
+from lm_systems.attention.eager_launch import CachedLaunch  # noqa: E402
 
 
 class RecordedCompiledKernel(CompiledKernel):
