@@ -142,3 +142,11 @@ def test_train_py_keeps_the_configured_callbacks(monkeypatch):
     monkeypatch.setattr(L.Trainer, "fit", lambda *args, **kwargs: None)  # build everything, train nothing
     cli = main(["fit", *PROFILING_ARGS])
     assert PROFILING_CALLBACKS | {"StepCheckpoint", "CrashCheckpoint", "GCFreeze"} <= {type(c).__name__ for c in cli.trainer.callbacks}
+
+
+def test_the_cli_lists_the_strategy_names_handed_in_first():
+    from lm_systems.cli import check_trainer_choices
+
+    with pytest.raises(ValueError) as error:
+        check_trainer_choices({"strategy": "nope", "devices": 1}, ours=("ddp_spawn",))
+    assert "one of: auto, ddp_spawn, " in str(error.value)
