@@ -15,15 +15,16 @@ from lm_systems.help_cache import run_with_help_cache
 def main(args: Optional[list[str]] = None, run: bool = True) -> Any:
     """``lm_systems.cli.main`` with this project's strategies registered, its callbacks and its progress bar."""
     # Lightning: imported only when the help is not already cached.
-    from callbacks import GCFreeze, MFUMonitor
+    from callbacks import every_run_callbacks
     from callbacks.progress import steps_progress_bar
     from lm_systems.cli import main as train
     from lm_systems.cli_parts import CLIParts
     from strategies import REGISTERED_NAMES  # importing the package registers the names
 
+    # Module-level functions only: a spawned launch pickles them with the trainer.
     parts = CLIParts(
         strategy_names=REGISTERED_NAMES,
-        callbacks=lambda: [MFUMonitor(), GCFreeze()],
+        callbacks=every_run_callbacks,
         progress_bar=steps_progress_bar,
     )
     return train(args, run=run, parts=parts)
