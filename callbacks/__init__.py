@@ -15,7 +15,6 @@ from callbacks.step_timing import StepTimer
 from callbacks.throughput import MFUMonitor
 
 
-
 def every_run_callbacks() -> list[Callback]:
     """The callbacks train.py gives every run (each unless the configuration brings its own): MFU and the garbage
     collector's freeze."""

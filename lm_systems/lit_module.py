@@ -1,4 +1,4 @@
-"""LitLM: the LightningModule that trains a TransformerLM (loss, metrics, optimizer, schedule, sample)."""
+"""LitLM: the LightningModule that trains a TransformerLM (loss, metrics, optimizer and schedule, their logging)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from lm_systems.compat.lightning import attached_trainer, logs_this_step
 from lm_systems.compile_policy import CompileChoice, compile_model
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
+from lm_systems.model_shape import ModelShape
 from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteWatch, divergence_advice
 from lm_systems.optim import adamw_param_groups, make_adamw
 from lm_systems.resume import ThisRunsOptimizerSettings
-from lm_systems.model_shape import ModelShape
 from lm_systems.run_description import describe_model, run_hyperparameters
 from lm_systems.schedule import check_schedule, warmup_cosine_schedule
 from lm_systems.training_sample import TrainingSample
