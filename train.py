@@ -1,15 +1,33 @@
 """Train a Transformer LM: `python train.py` (embedded tiny default), `python train.py -c configs/small.yaml`,
-`python train.py --strategy bucketed_ddp --precision bf16-mixed --devices 2`. `--help` lists every option."""
+`python train.py --strategy bucketed_ddp --precision bf16-mixed --devices 2`. `--help` lists every option.
+
+Here the packages built on lm_systems (strategies/, callbacks/) are wired into its command line: lm_systems never
+imports them."""
+
+from __future__ import annotations
 
 import sys
+from typing import Any, Optional
 
 from lm_systems.help_cache import run_with_help_cache
 
 
-def main() -> None:
-    from lm_systems.cli import main as train  # Lightning: imported only when the help is not already cached
+def main(args: Optional[list[str]] = None, run: bool = True) -> Any:
+    """``lm_systems.cli.main`` with this project's strategies registered, its callbacks and its progress bar."""
+    # Lightning: imported only when the help is not already cached.
+    from callbacks import every_run_callbacks
+    from callbacks.progress import steps_progress_bar
+    from lm_systems.cli import main as train
+    from lm_systems.cli_parts import CLIParts
+    from strategies import REGISTERED_NAMES  # importing the package registers the names
 
-    train()
+    # Module-level functions only: a spawned launch pickles them with the trainer.
+    parts = CLIParts(
+        strategy_names=REGISTERED_NAMES,
+        callbacks=every_run_callbacks,
+        progress_bar=steps_progress_bar,
+    )
+    return train(args, run=run, parts=parts)
 
 
 if __name__ == "__main__":

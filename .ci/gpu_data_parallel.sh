@@ -72,7 +72,7 @@ for stage in "${STAGES[@]}"; do
         run train_py_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py \
             -k "sigterm or bucketed_ddp-bf16-mixed or zero3-bf16-mixed or zero1-bf16-mixed or zero1-16-mixed" \
             --junitxml="$OUT/train_py_2gpu.xml"
-        run strategies_zero1 200 python -m pytest -q -p no:cacheprovider tests/strategies/test_strategies_gpu.py -k zero1 \
+        run strategies_zero1 200 python -m pytest -q -p no:cacheprovider tests/strategy_tests/test_strategies_gpu.py -k zero1 \
             --junitxml="$OUT/strategies_zero1.xml"
         run compat_gpu 120 python -m pytest -q -p no:cacheprovider -m gpu tests/compat --junitxml="$OUT/compat_gpu.xml"
         ;;

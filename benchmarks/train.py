@@ -1,7 +1,7 @@
 """Training speed through train.py's own path against a plain PyTorch loop: ``python -m benchmarks.train``.
 
 Both train the same TransformerLM on the same LMDataModule batches, with the same fused AdamW, schedule,
-gradient clipping and precision. ``train.py``'s path is ``lm_systems.cli.main`` with the Trainer, LitLM,
+gradient clipping and precision. ``train.py``'s path is its ``main`` with the Trainer, LitLM,
 LMDataModule, default callbacks and logger it builds; only its checkpoint saves are turned off (this times
 training steps, not saves), as is validation. The plain loop is what one writes by hand: autocast,
 ``backward``, ``clip_grad_norm_``, ``step``, ``zero_grad``, over a model of its own.
@@ -48,7 +48,7 @@ from lm_systems.attention import attention_names
 from benchmarks.device import (add_device_arg, allocated_gib, free_memory, peak_memory_gib, reset_peak_memory,
                                      synchronize, timed)
 from benchmarks.report import argument_parser, write_results
-from lm_systems.cli import main as train_py
+from train import main as train_py
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.hardware import peak_flops

@@ -5,6 +5,8 @@ Each takes typed keyword arguments, so LightningCLI can build it from YAML or th
 ``--trainer.callbacks+=callbacks.StepTimer --trainer.callbacks.warmup_steps=2``.
 """
 
+from lightning.pytorch.callbacks import Callback
+
 from callbacks.gc_freeze import GCFreeze
 from callbacks.memory_snapshot import MemorySnapshot
 from callbacks.nvtx_ranges import NVTXRanges
@@ -12,4 +14,12 @@ from callbacks.progress import StepsProgressBar
 from callbacks.step_timing import StepTimer
 from callbacks.throughput import MFUMonitor
 
-__all__ = ["GCFreeze", "MFUMonitor", "MemorySnapshot", "NVTXRanges", "StepTimer", "StepsProgressBar"]
+
+def every_run_callbacks() -> list[Callback]:
+    """The callbacks train.py gives every run (each unless the configuration brings its own): MFU and the garbage
+    collector's freeze."""
+    return [MFUMonitor(), GCFreeze()]
+
+
+__all__ = ["GCFreeze", "MFUMonitor", "MemorySnapshot", "NVTXRanges", "StepTimer", "StepsProgressBar",
+           "every_run_callbacks"]

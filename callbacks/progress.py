@@ -3,6 +3,7 @@ showing the last logged training loss without waiting for the GPU (and not the l
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Union
 
 import lightning.pytorch as L
@@ -81,3 +82,14 @@ class StepsProgressBar(_StepsBar, TitledRichProgressBar):
 
 class StepsTQDMProgressBar(_StepsBar, TQDMProgressBar):
     """Lightning's tqdm bar with the whole run's total; ``train.py`` uses it where rich is not installed."""
+
+
+def steps_progress_bar(refresh_rate: int) -> ProgressBar:
+    """Lightning's rich bar where rich is installed, else its tqdm bar, either counting optimizer steps; redrawn every
+    ``refresh_rate`` batches."""
+    bar = StepsProgressBar if _rich_installed() else StepsTQDMProgressBar
+    return bar(refresh_rate=refresh_rate)
+
+
+def _rich_installed() -> bool:
+    return importlib.util.find_spec("rich") is not None

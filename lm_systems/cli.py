@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import re
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, ProgressBar
@@ -16,12 +16,9 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-import strategies  # noqa: F401  registers naive_ddp, overlap_ddp, bucketed_ddp, zero1 (and *_spawn) by name
-from callbacks.gc_freeze import GCFreeze
-from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
-from callbacks.throughput import MFUMonitor
 from lm_systems.checkpoint_io import NEWEST, SafeCheckpointIO, newest_run_checkpoint, require_checkpoint_file
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
+from lm_systems.cli_parts import CLIParts
 from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_names
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.config_files import check_config_files
@@ -103,7 +100,12 @@ class LMCLI(CommandLineOverCheckpointCLI):
     """LightningCLI with short trainer flags, step checkpoints, run folders and checks at the door.
 
     A ``--ckpt_path``'s saved settings go *under* the command line (``parse_arguments``, :mod:`lm_systems.resume`):
-    its base leaves out LightningCLI's parsing of them over it."""
+    its base leaves out LightningCLI's parsing of them over it. ``parts``: what the entry point adds (our strategies'
+    names, the default callbacks and progress bar)."""
+
+    def __init__(self, *args: Any, parts: CLIParts, **kwargs: Any) -> None:
+        self._parts = parts  # before LightningCLI's __init__, which parses and runs
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         group = parser.add_argument_group("Short forms of common --trainer.* flags")
@@ -142,7 +144,7 @@ class LMCLI(CommandLineOverCheckpointCLI):
             for name in SHORT_FLAGS:
                 if config.get(name) is not None:
                     config.trainer[name] = config[name]
-            check_trainer_choices(config.trainer)
+            check_trainer_choices(config.trainer, self._parts.strategy_names)
             check_model_fits_device(config.model, config.trainer.get("accelerator"))
             choose_cpu_threads(device_type(config.trainer.get("accelerator")))
             make_output_folder(config.trainer.get("default_root_dir"), "--trainer.default_root_dir")
@@ -169,18 +171,17 @@ class LMCLI(CommandLineOverCheckpointCLI):
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
         if trainer_config.get("enable_checkpointing") is not False:
             callbacks += self._checkpoint_callbacks(callbacks)
-        if trainer_config.get("enable_progress_bar") is not False and not _has(callbacks, ProgressBar):
+        make_bar = self._parts.progress_bar
+        if make_bar and trainer_config.get("enable_progress_bar") is not False and not _has(callbacks, ProgressBar):
             # Redrawn on logged steps only: a rich redraw per step cost the lent GPU hosts more time than Lightning's
             # whole step (benchmarks/results/train_step.md).
-            refresh_rate = trainer_config.get("log_every_n_steps") or 1
-            bar = StepsProgressBar if _rich_installed() else StepsTQDMProgressBar
-            callbacks.append(bar(refresh_rate=refresh_rate))
+            callbacks.append(make_bar(trainer_config.get("log_every_n_steps") or 1))
         plugins = trainer_config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
         # After the progress bar: the summary prints once the bar has stopped.
-        defaults = [MFUMonitor(), GCFreeze(), RunConfigRecord(_subcommand_part(self.config)), ResumedLoggingSteps(),
+        defaults = [*self._parts.callbacks(), RunConfigRecord(_subcommand_part(self.config)), ResumedLoggingSteps(),
                     RunSummary()]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
@@ -242,21 +243,16 @@ def _subcommand_part(config: Any) -> Any:
     return config[subcommand] if subcommand else config
 
 
-def _rich_installed() -> bool:
-    return importlib.util.find_spec("rich") is not None
-
-
 def _has(items: list[Any], kind: type) -> bool:
     return any(isinstance(item, kind) for item in items)
 
 
-def check_trainer_choices(trainer: Any) -> None:
-    """Strategy, precision and accelerator names, checked like a typed flag: an unknown one lists the valid ones;
-    and the device count."""
+def check_trainer_choices(trainer: Any, ours: Sequence[str] = ()) -> None:
+    """Strategy, precision and accelerator names, checked like a typed flag: an unknown one lists the valid ones
+    (``ours``, the registered strategy names the entry point handed in, first); and the device count."""
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry
 
-    ours = [name for name, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith("strategies.")]
     lightnings = [name for name in StrategyRegistry.available_strategies() if name not in ours]
     choices = {
         "strategy": ["auto", *ours, *lightnings],
@@ -307,10 +303,11 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
-def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
-    """Entry point of ``train.py``; with no subcommand given, ``fit`` is run. Errors end in one line with an exit
-    status (:mod:`lm_systems.errors`): SIGTERM exits with 143 after ``crash.ckpt`` is saved, so a scheduler reads the
-    run as interrupted, not finished; Ctrl-C with 130; a run stopped by a non-finite loss or weights with 1.
+def main(args: Optional[list[str]] = None, run: bool = True, parts: CLIParts = CLIParts()) -> LMCLI:
+    """Entry point of ``train.py``, which hands in ``parts``; with no subcommand given, ``fit`` is run. Errors end in
+    one line with an exit status (:mod:`lm_systems.errors`): SIGTERM exits with 143 after ``crash.ckpt`` is saved, so a
+    scheduler reads the run as interrupted, not finished; Ctrl-C with 130; a run stopped by a non-finite loss or
+    weights with 1.
 
     ``run=False`` parses ``args`` (no subcommand) and builds the model, data and trainer without running.
     """
@@ -332,4 +329,5 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> LMCLI:
             save_config_kwargs={"overwrite": True},
             args=args,
             run=run,
+            parts=parts,
         )

@@ -8,7 +8,8 @@ as ever, the trainer's and the data's (clipping, max_steps, logging, the batch s
 count of batches whose windows are drawn at random, so any batch size continues it). What fixes the model's
 shape (``SHAPE_KEYS``) must match: a typed value that changes it is refused, naming both. The tokenizer is
 compared once the data is ready (``LitLM.on_load_checkpoint``). The log lists every setting that changed since
-the checkpoint was written (``RunConfigRecord`` stores the run's settings in each checkpoint).
+the checkpoint was written (``RunConfigRecord`` stores the run's settings in each checkpoint). A resumed run trains
+with its own optimizer settings, not the checkpoint's (``ThisRunsOptimizerSettings``).
 """
 
 from __future__ import annotations
@@ -134,3 +135,31 @@ class ResumedLoggingSteps(L.Callback):
         if not self._aligned and trainer.ckpt_path is not None:
             align_logging_step(trainer)
         self._aligned = True
+
+
+
+class ThisRunsOptimizerSettings(L.Callback):
+    """Lightning restores the optimizer's and the schedule's state with the settings they were saved with (peak
+    learning rate, betas, weight decay); a resumed run trains with its own, at the schedule's current step.
+
+    They are read as the fit starts, after ``configure_optimizers`` and before the checkpoint's state is restored;
+    the peak learning rate from the scheduler's ``initial_lr`` (the group's ``lr`` already follows the schedule)."""
+
+    def __init__(self) -> None:
+        self._settings: list[dict[str, Any]] = []
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._settings = [{**{k: v for k, v in group.items() if k not in ("params", "initial_lr")},
+                           "lr": group.get("initial_lr", group["lr"])} for group in trainer.optimizers[0].param_groups]
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.ckpt_path is None:
+            return
+        optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
+        for group, settings in zip(optimizer.param_groups, self._settings):
+            group.update(settings, initial_lr=settings["lr"])
+        scheduler.base_lrs = [settings["lr"] for settings in self._settings]
+        for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base_lr * factor(scheduler.last_epoch)

@@ -12,8 +12,14 @@ from strategies.fsdp2 import FSDP2Strategy
 from strategies.zero1 import Zero1Strategy
 from strategies.zero3 import Zero3Strategy
 
-for _strategy in (NaiveDDPStrategy, OverlapDDPStrategy, BucketedDDPStrategy, Zero1Strategy, Zero3Strategy, FSDP2Strategy):
+_STRATEGIES = (NaiveDDPStrategy, OverlapDDPStrategy, BucketedDDPStrategy, Zero1Strategy, Zero3Strategy, FSDP2Strategy)
+for _strategy in _STRATEGIES:
     _strategy.register_strategies(StrategyRegistry)
 
-__all__ = ["BucketedDDPStrategy", "ContainerDDPStrategy", "FSDP2Strategy", "NaiveDDPStrategy", "OverlapDDPStrategy",
-           "Zero1Strategy", "Zero3Strategy"]
+REGISTERED_NAMES: tuple[str, ...] = tuple(
+    name for name, entry in StrategyRegistry.items() if entry["strategy"] in _STRATEGIES
+)
+"""The names this package registered, in registration order: what train.py tells the command line are ours."""
+
+__all__ = ["REGISTERED_NAMES", "BucketedDDPStrategy", "ContainerDDPStrategy", "FSDP2Strategy", "NaiveDDPStrategy",
+           "OverlapDDPStrategy", "Zero1Strategy", "Zero3Strategy"]

@@ -10,8 +10,9 @@ logging are Lightning's own. What changes is the model wrapper and where gradien
   accumulation communicate nothing;
 - ``post_backward`` calls ``finish_gradient_synchronization()`` after a syncing backward, before the
   precision plugin's unscaling, clipping and ``on_before_optimizer_step``, which thus see averaged gradients;
-- ``setup`` routes ``gradient_clip_val`` through the container's ``clip_grad_norm_`` where it has one (the norm
-  over every rank's gradients, for containers that shard them); the ranks agree to stop for SIGTERM over a gloo
+- ``grad_norm`` and ``clip_grad_norm_`` (:class:`lm_systems.strategy_offers.GlobalGradNorm`) are the container's:
+  the norm over every rank's gradients, for containers that shard them; ``setup`` routes Lightning's own clipping
+  there too (LitLM clips through the same two methods); the ranks agree to stop for SIGTERM over a gloo
   group of CPU tensors instead of Lightning's per-batch device broadcast, which waits for the GPU
   (:class:`strategies.sigterm.HostSigtermStrategy`);
 - ``teardown`` removes the container's gradient hooks and unwraps the module.
@@ -50,6 +51,7 @@ from typing_extensions import override
 from lm_systems.compat.lightning import ModelWrappingDDPStrategy
 from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP, default_bucket_size_mb,
                                  gradient_buckets, gradient_process_group, runs_within_buckets)
+from lm_systems.strategy_offers import GlobalGradNorm, LocalGradNorm
 from strategies.sigterm import HostSigtermStrategy
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -111,11 +113,23 @@ class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
-        clip = getattr(self.model, "clip_grad_norm_", None)
-        if clip is not None:
-            # Precision.clip_gradients (gradient_clip_val) clips the gradients this rank holds by their own norm;
-            # a container that shards them knows the norm over every rank.
-            self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip(clip_val)
+        # A LightningModule that leaves clipping to Lightning reaches the precision plugin, which would clip the
+        # gradients this rank holds by their own norm: it takes this strategy's global one, as LitLM does.
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_grad_norm_(clip_val)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the synchronised gradients over every rank's (:class:`GlobalGradNorm`)."""
+        return self._gradients().grad_norm()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global 2-norm over every rank's gradients; the norm before clipping (:class:`GlobalGradNorm`)."""
+        return self._gradients().clip_grad_norm_(max_norm)
+
+    def _gradients(self) -> GlobalGradNorm:
+        """The container, which knows the norm over every rank; outside fit (no container), torch's over the module."""
+        if isinstance(self.model, DataParallelModule):
+            return self.model
+        return LocalGradNorm(self.lightning_module.parameters())
 
     @contextmanager
     @override
@@ -212,7 +226,8 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
 
     def block_runs(self, module: Module, blocks: Sequence[Module]) -> list[int]:
         """The runs of consecutive ``blocks`` whose gradients all land in one of the buckets ``wrap(module)`` will
-        make, as sizes: what ``--model.compile buckets`` compiles as one graph each."""
+        make, as sizes: what ``--model.compile buckets`` compiles as one graph each
+        (:class:`lm_systems.strategy_offers.BlockRuns`)."""
         return runs_within_buckets(blocks, gradient_buckets(module, self.bucket_size_mb))
 
     @override

@@ -1,4 +1,5 @@
-"""fsdp2: torch's own FSDP2 (``fully_shard``) over the TransformerLM's blocks, the reference zero3 is measured against."""
+"""fsdp2: torch's own FSDP2 (``fully_shard``) over the LightningModule's sharding units (a TransformerLM's blocks), the
+reference zero3 is measured against."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from typing_extensions import override
 
 from lm_systems.compat.lightning import DataParallelMeshStrategy
+from lm_systems.strategy_offers import ShardingUnits
 from strategies.sigterm import HostSigtermStrategy
 
 BF16_PRECISIONS = ("bf16-mixed", "bf16-true")
@@ -19,7 +21,8 @@ BF16_PRECISIONS = ("bf16-mixed", "bf16-true")
 
 class FSDP2Strategy(HostSigtermStrategy, DataParallelMeshStrategy):
     """Lightning's ModelParallelStrategy (data parallel only) with FSDP2 applied by the strategy itself:
-    ``fully_shard`` on each Transformer block, then on the whole model, so a LitLM trains under it unchanged.
+    ``fully_shard`` on each unit the LightningModule's ``sharding_units()`` names (LitLM: each Transformer block),
+    then on the module its forward runs (the whole model), so a LitLM trains under it unchanged.
 
     Under a bf16 precision, parameters are gathered in bf16 and gradients reduce-scattered in float32
     (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``); the float32 masters and the
@@ -47,19 +50,20 @@ class FSDP2Strategy(HostSigtermStrategy, DataParallelMeshStrategy):
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
-        self._shard(self.lightning_module.model, str(trainer.precision))
+        self._shard(self.lightning_module, str(trainer.precision))
         super().setup(trainer)
 
-    def _shard(self, model: torch.nn.Module, precision: str) -> None:
-        blocks = getattr(model, "blocks", None)
-        if blocks is None:
-            raise TypeError(f"--strategy fsdp2 shards a TransformerLM's blocks; {type(model).__name__} has no .blocks")
+    def _shard(self, module: L.LightningModule, precision: str) -> None:
+        if not isinstance(module, ShardingUnits):
+            raise TypeError(f"--strategy fsdp2 shards the units a LightningModule names in sharding_units() "
+                            f"(lm_systems.strategy_offers.ShardingUnits); {type(module).__name__} has no such method")
+        root, units = module.sharding_units()
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if precision in BF16_PRECISIONS else MixedPrecisionPolicy())
         mesh = self.device_mesh["data_parallel"]
-        for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=self._reshard_after_forward)
-        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=self._reshard_after_forward)
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=self._reshard_after_forward)
+        fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=self._reshard_after_forward)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lm_systems.compat.lightning import optimizer_to_device
 from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
+from lm_systems.strategy_offers import ShardingUnits
 from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
 from strategies.sharded_grad_scaler import agree_on_overflow
 
@@ -30,13 +31,15 @@ def resolve_compute_dtype(choice: str, precision: str) -> Optional[torch.dtype]:
 
 
 class Zero3Strategy(ContainerDDPStrategy):
-    """Trains through a FullyShardedDataParallel: each rank holds 1/N of every Transformer block's (and
-    every outside linear or embedding layer's) parameters, gradients and optimizer state.
+    """Trains through a FullyShardedDataParallel: each rank holds 1/N of every unit's parameters, gradients and
+    optimizer state. The units are those the LightningModule names in ``sharding_units()``
+    (:class:`lm_systems.strategy_offers.ShardingUnits`; LitLM's: each Transformer block) and every linear or
+    embedding layer outside them.
 
     ``configure_optimizers`` sees the shards (same names, modules and dims), so the user's optimizer and
     schedulers drive them unchanged. Accumulation (``accumulate_grad_batches``) keeps unsharded gradients
-    between boundaries (the container's ``no_sync``). Clipping by norm, through ``gradient_clip_val`` or
-    the container's ``clip_grad_norm_``, takes the global norm over all ranks' shards; with ``16-mixed``
+    between boundaries (the container's ``no_sync``). Clipping by norm (``gradient_clip_val``, or the
+    strategy's ``clip_grad_norm_``) takes the global norm over all ranks' shards; with ``16-mixed``
     the GradScaler is torch's ShardedGradScaler, which agrees on skipped steps across ranks.
 
     ``compute_dtype`` is the dtype weights are gathered and computed in (masters and optimizer state stay
@@ -73,7 +76,8 @@ class Zero3Strategy(ContainerDDPStrategy):
     @override
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
         dtype = resolve_compute_dtype(self._compute_dtype, str(self.precision_plugin.precision))
-        return FullyShardedDataParallel(module, compute_dtype=dtype, prefetch=self._prefetch, **comm)
+        _, units = module.sharding_units() if isinstance(module, ShardingUnits) else (module, ())
+        return FullyShardedDataParallel(module, compute_dtype=dtype, units=units, prefetch=self._prefetch, **comm)
 
     @property
     def _sharded(self) -> Optional[FullyShardedDataParallel]:

@@ -55,7 +55,7 @@ _SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Each test starts with the session's seed variables (a fixture of a wider scope that changed them fails the
-    test naming them) and leaves the environment as it found it. ``lm_systems.cli.main`` adds a filter to Lightning's
+    test naming them) and leaves the environment as it found it. ``train.main`` adds a filter to Lightning's
     rank-zero logger at each call and sets torch's CPU threads: those are restored too."""
     leaked = [name for name in _SEED_VARIABLES if os.environ.get(name) != _SESSION_ENVIRONMENT.get(name)]
     assert not leaked, f"a module- or session-scoped fixture left {leaked} in os.environ: wrap it in environment_kept()"
@@ -64,7 +64,7 @@ def _restore_environment():
     with environment_kept():
         yield
     rank_zero_logger.filters[:] = filters
-    torch.set_num_threads(threads)  # a CPU run through lm_systems.cli.main chooses its own
+    torch.set_num_threads(threads)  # a CPU run through train.main chooses its own
 
 
 @pytest.fixture(scope="session")
@@ -152,7 +152,7 @@ TINY = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads",
 
 @pytest.fixture(scope="session")
 def tiny_args(cache_dir) -> list[str]:
-    """TINY for ``lm_systems.cli.main`` in this process, on the session's data cache (copy it to add flags)."""
+    """TINY for ``train.main`` in this process, on the session's data cache (copy it to add flags)."""
     return [*TINY, "--data.cache_dir", str(cache_dir)]
 
 # What this process's test setup put in its environment, which a train.py run must not inherit.

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from callbacks import StepsProgressBar
 from callbacks.progress import StepsTQDMProgressBar
-from lm_systems.cli import main
+from train import main
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.lit_module import LitLM
 
@@ -121,7 +121,7 @@ def test_empty_corpus_names_the_flag(tmp_path, capsys, fast):
 def test_train_py_uses_the_steps_progress_bar(rich, bar, fast, monkeypatch, capsys):
     """Lightning's rich bar where rich is installed (the test extra installs it), else its tqdm bar; either way the
     subclass that counts optimizer steps, drawn through a whole run."""
-    monkeypatch.setattr("lm_systems.cli._rich_installed", lambda: rich)
+    monkeypatch.setattr("callbacks.progress._rich_installed", lambda: rich)
     cli = main([*fast, "--max_steps", "2", "--trainer.enable_progress_bar", "true", "--trainer.limit_val_batches", "0"])
     assert type(cli.trainer.progress_bar_callback) is bar
     assert cli.trainer.progress_bar_callback.total_train_batches == 2
@@ -142,3 +142,11 @@ def test_train_py_keeps_the_configured_callbacks(monkeypatch):
     monkeypatch.setattr(L.Trainer, "fit", lambda *args, **kwargs: None)  # build everything, train nothing
     cli = main(["fit", *PROFILING_ARGS])
     assert PROFILING_CALLBACKS | {"StepCheckpoint", "CrashCheckpoint", "GCFreeze"} <= {type(c).__name__ for c in cli.trainer.callbacks}
+
+
+def test_the_cli_lists_the_strategy_names_handed_in_first():
+    from lm_systems.cli import check_trainer_choices
+
+    with pytest.raises(ValueError) as error:
+        check_trainer_choices({"strategy": "nope", "devices": 1}, ours=("ddp_spawn",))
+    assert "one of: auto, ddp_spawn, " in str(error.value)

@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
-from lm_systems.cli import main
+from train import main
 from lm_systems.run_logger import RunLogger
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv

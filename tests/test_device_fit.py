@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm_systems.cli import main
+from train import main
 from lm_systems.config import ModelConfig
 from lm_systems.cpu_threads import TORCH_THREADS
 from lm_systems.device_fit import CPU_MAX_PARAMETERS

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from lm_systems.cli import main
+from train import main
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, os_error_in, write_error_message
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from environment import environment_kept
-from lm_systems.cli import main
+from train import main
 from lm_systems.recompute import RECOMPUTE_POLICIES
 
 EIGHT_B_SHAPED = ["--model.size", "8b", "--model.d_model", "64", "--model.num_heads", "4", "--model.d_ff", "172",

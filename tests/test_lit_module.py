@@ -17,6 +17,7 @@ from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.generate import load_checkpoint
 from lm_systems.lit_module import LitLM
+from lm_systems.run_description import run_hyperparameters
 from lm_systems.model import TransformerLM
 from lm_systems.sampling import sample_text
 
@@ -262,8 +263,8 @@ def test_tokens_per_step_counts_every_device_and_micro_batch(devices, accumulate
     lit = LitLM(size="tiny", vocab_size=64, d_model=16, num_layers=1, num_heads=2, d_ff=32)
     lit.trainer = SimpleNamespace(world_size=devices, accumulate_grad_batches=accumulate, max_steps=10,
                                   precision="32-true", strategy=object())
-    lit._data_shape = (batch_size, context)
-    assert lit._run_hyperparameters()["tokens_per_step"] == devices * accumulate * batch_size * context
+    hyperparameters = run_hyperparameters(lit.hparams, lit.config, lit.trainer, (batch_size, context), None)
+    assert hyperparameters["tokens_per_step"] == devices * accumulate * batch_size * context
 
 
 class RandomWindowsLM(LitLM):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from lm_systems.cli import main
+from train import main
 from lm_systems.lit_module import LitLM
 
 from environment import environment_kept

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lm_systems.cli import main
+from train import main
 
 from schedule_reference import expected_lr_factor
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from lm_systems.cli import main
+from train import main
 from lm_systems.run_summary import _duration
 
 

@@ -6,8 +6,9 @@
   ``default_bucket_size_mb(hosts)`` the cap the strategies pick when none is given, ``gradient_buckets`` its plan,
   ``runs_within_buckets`` the runs of blocks that can compile as one graph each without delaying a bucket.
 - ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
-- ``FullyShardedDataParallel(module, compute_dtype=None, unit_types=None)``: parameters, gradients and optimizer
-  state sharded over ranks (ZeRO stage 3), each unit gathered just before its forward and its backward.
+- ``FullyShardedDataParallel(module, compute_dtype=None, units=())``: parameters, gradients and optimizer state
+  sharded over ranks (ZeRO stage 3), each unit (those named, and every linear or embedding layer outside them)
+  gathered just before its forward and its backward.
 - ``gradient_process_group()``: an NCCL group with a high-priority stream for the containers' all-reduces.
 """
 

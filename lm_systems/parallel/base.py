@@ -73,6 +73,18 @@ class DataParallelModule(nn.Module, ABC):
     def finish_gradient_synchronization(self) -> None:
         """Wait for (or run) the gradient all-reduces; afterwards ``.grad`` holds the mean over ranks."""
 
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the synchronised gradients: every rank holds them all, so it is this rank's norm (a
+        container whose ranks hold different gradients combines theirs)."""
+        grads = [p.grad for p in self.trainable_parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the synchronised gradients to a global 2-norm of at most ``max_norm``; the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
+
     def _add_hook(self, handle: RemovableHandle) -> None:
         self._hook_handles.append(handle)
 

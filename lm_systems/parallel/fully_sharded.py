@@ -18,11 +18,8 @@ from lm_systems.parallel.collectives import GradPresence
 from lm_systems.parallel.sharded_unit import PendingReduction, ShardedParam, ShardedUnit, shard_rows
 
 
-def default_unit_types() -> tuple[type[nn.Module], ...]:
-    """Each Transformer block, and every linear or embedding layer outside one."""
-    from lm_systems.model import TransformerBlock  # here: wrapping other modules needs no attention kernels
-
-    return TransformerBlock, nn.Linear, nn.Embedding
+DEFAULT_UNIT_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
+"""Every linear or embedding layer outside the units the caller names."""
 
 
 class _PostBackward(torch.autograd.Function):
@@ -44,9 +41,9 @@ class FullyShardedDataParallel(DataParallelModule):
     """ZeRO-3 over any module: each unit's parameters split by rows over the ranks, gathered only for its
     forward and its backward, gradients reduce-scattered back into the shards.
 
-    Units are the outermost submodules of ``unit_types`` (default: each TransformerBlock and every
-    nn.Linear / nn.Embedding outside one). A unit's parameter of shape (rows, *rest) becomes, on rank r,
-    an nn.Parameter of shape (ceil(rows / N), *rest) holding rows r·⌈rows/N⌉ onwards (the last ranks'
+    Units are the submodules the caller names in ``units`` (a TransformerLM's blocks, say) and the outermost
+    submodules of ``unit_types`` outside them (default: every nn.Linear / nn.Embedding). A unit's parameter of
+    shape (rows, *rest) becomes, on rank r, an nn.Parameter of shape (ceil(rows / N), *rest) holding rows r·⌈rows/N⌉ onwards (the last ranks'
     padded with zero rows), registered under the same name, so ``module.named_parameters()`` are what an
     optimizer steps and they keep their names, dims and modules (weight-decay grouping by module type or
     ndim still works). Parameters outside the units (norm weights outside blocks), scalars, and parameters
@@ -77,14 +74,15 @@ class FullyShardedDataParallel(DataParallelModule):
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
-                 unit_types: Iterable[type[nn.Module]] | None = None, process_group: dist.ProcessGroup | None = None,
+                 units: Iterable[nn.Module] = (), unit_types: Iterable[type[nn.Module]] = DEFAULT_UNIT_TYPES,
+                 process_group: dist.ProcessGroup | None = None,
                  grad_comm_dtype: torch.dtype | None = None, prefetch: int = 1) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (no prefetch) or more units ahead, got {prefetch}")
         super().__init__(module, process_group, grad_comm_dtype)
         self.compute_dtype = compute_dtype
         self.prefetch = prefetch
-        unit_modules = _outermost(module, tuple(unit_types) if unit_types is not None else default_unit_types())
+        unit_modules = _outermost(module, {id(unit) for unit in units}, tuple(unit_types))
         for prefix, unit in unit_modules:
             if compiled_whole(unit):
                 raise ValueError(f"unit {prefix or 'the root'} is torch.compiled whole: FullyShardedDataParallel gathers "
@@ -332,12 +330,13 @@ class FullyShardedDataParallel(DataParallelModule):
         self._presence = GradPresence(self._replicated, self.process_group) if self._replicated else None
 
 
-def _outermost(module: nn.Module, unit_types: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
-    """The submodules of ``unit_types`` not inside another such submodule, in registration order."""
+def _outermost(module: nn.Module, named: set[int],
+               unit_types: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
+    """The submodules named (by id) or of ``unit_types`` not inside another such submodule, in registration order."""
     units: list[tuple[str, nn.Module]] = []
     for name, sub in module.named_modules():
         inside = any(prefix == "" or name.startswith(prefix + ".") for prefix, _ in units)
-        if isinstance(sub, unit_types) and not inside:
+        if (id(sub) in named or isinstance(sub, unit_types)) and not inside:
             units.append((name, sub))
     return units
 

@@ -19,7 +19,7 @@ from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
 from lm_systems.parallel import FullyShardedDataParallel
 from lm_systems.parallel import sharded_unit
-from lm_systems.parallel.fully_sharded import default_unit_types
+from lm_systems.parallel.fully_sharded import DEFAULT_UNIT_TYPES
 from parallel_workers import init_group
 
 VOCAB, DIM, BATCH, STEPS, MICRO_BATCHES = 37, 13, 3, 3, 2
@@ -152,7 +152,7 @@ def train_sharded(rank: int, dtype_name: str, compiled: bool = False, prefetch: 
     toy = ShardToy()
     if compiled:
         for module in toy.modules():
-            if isinstance(module, default_unit_types()):
+            if isinstance(module, DEFAULT_UNIT_TYPES):
                 module.forward = torch.compile(module.forward, backend="aot_eager")  # graph capture, no codegen: quick
     model = FullyShardedDataParallel(toy, compute_dtype=dtype, prefetch=prefetch)
     initial = {name: value.clone() for name, value in model.gather_full_params().items()}
@@ -218,7 +218,8 @@ def resident_bytes_after_training(rank: int) -> dict:
     torch.manual_seed(0)
     config = ModelConfig.from_name("tiny", vocab_size=65, d_model=32, num_layers=2, num_heads=2, d_ff=48,
                                    context_length=16)
-    model = FullyShardedDataParallel(TransformerLM(config))
+    lm = TransformerLM(config)
+    model = FullyShardedDataParallel(lm, units=lm.blocks)
     optimizer = make_optimizer(model.module.parameters())
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):

@@ -201,6 +201,12 @@ def test_units_are_the_outermost_modules_of_the_given_types(single_rank_group):
     assert sorted(UNITS) == sorted(u.prefix for u in FullyShardedDataParallel(ShardToy())._units)
 
 
+def test_named_units_and_the_layers_of_the_unit_types_outside_them(single_rank_group):
+    toy = ShardToy()
+    model = FullyShardedDataParallel(toy, units=[toy.block])
+    assert [unit.prefix for unit in model._units] == ["never_used", "embed", "hidden", "frozen", "block", "head"]
+
+
 def test_optimizer_groups_see_the_shards_as_they_saw_the_parameters(single_rank_group):
     """Shards keep their names, modules and dims: LitLM's weight-decay grouping puts each where it was."""
     from lm_systems.config import ModelConfig
@@ -210,7 +216,7 @@ def test_optimizer_groups_see_the_shards_as_they_saw_the_parameters(single_rank_
     model = TransformerLM(ModelConfig.from_name("tiny", vocab_size=65, d_model=32, num_layers=2, num_heads=2, d_ff=48))
     names = {id(p): n for n, p in model.named_parameters()}
     before = [[names[id(p)] for p in group["params"]] for group in adamw_param_groups(model, 0.1)]
-    wrapped = FullyShardedDataParallel(model)
+    wrapped = FullyShardedDataParallel(model, units=model.blocks)
     names = {id(p): n for n, p in wrapped.module.named_parameters()}
     assert [[names[id(p)] for p in group["params"]] for group in adamw_param_groups(wrapped.module, 0.1)] == before
     assert len(wrapped._units) == 2 + 2  # the blocks, the embedding and the LM head
@@ -265,3 +271,18 @@ def test_a_shard_whose_data_is_replaced_is_gathered_with_its_new_values(single_r
     model(x)  # the views are made
     linear.weight.data = torch.full((3, 4), 0.5)
     torch.testing.assert_close(model(x), torch.nn.functional.linear(x, torch.full((3, 4), 0.5), linear.bias))
+
+
+def test_a_replicating_container_offers_torchs_global_norm(single_rank_group):
+    """Every container is a GlobalGradNorm; one whose ranks hold every gradient takes torch's norm over them."""
+    from lm_systems.parallel import NaiveDDP
+    from lm_systems.strategy_offers import GlobalGradNorm
+
+    model = NaiveDDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 10
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert isinstance(model, GlobalGradNorm)
+    torch.testing.assert_close(model.grad_norm(), expected)
+    torch.testing.assert_close(model.clip_grad_norm_(1.0), expected)
+    torch.testing.assert_close(model.grad_norm(), torch.tensor(1.0), atol=1e-5, rtol=0)

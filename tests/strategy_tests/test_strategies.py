@@ -20,7 +20,7 @@ STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "bucketed_ddp
 WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "PerParameterDDP", "bucketed_ddp": "BucketedDDP",
             "zero1": "BucketedDDP", "bucketed_ddp+no_thread": "BucketedDDP"}
 # zero1 reduces each gradient only to the rank that steps it: its hooks see that rank's gradients, whose norms
-# combine into one process's (tests/strategies/test_zero1_clipping.py); with grad_reduce all_reduce, all of them.
+# combine into one process's (tests/strategy_tests/test_zero1_clipping.py); with grad_reduce all_reduce, all of them.
 HOOKS_SEE_ALL_GRADIENTS = [name for name in STRATEGIES if name != "zero1"]
 
 

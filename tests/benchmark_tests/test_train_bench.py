@@ -100,7 +100,7 @@ def test_bad_shape_names_the_flag(shape, message, capsys):
 def test_train_py_args_parse_as_the_cli_reads_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     setup = bench.Setup("tiny", 32, 2, "bf16-mixed", "sdpa", compile=True)
-    from lm_systems.cli import main
+    from train import main
     cli = main([*bench.train_py_args(setup, 5, tmp_path, torch.device("cpu")), "--data.generated_stories", "300",
                 "--data.vocab_size", "300"], run=False)
     assert cli.model.hparams.compile and cli.model.hparams.attention == "sdpa" and cli.model.hparams.lr == bench.LR

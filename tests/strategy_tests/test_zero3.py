@@ -115,7 +115,7 @@ def test_train_py_trains_on_two_spawned_cpu_processes(tmp_path, train_py):
     done = train_py.run_ok(*train_py.tiny, "--strategy", "zero3_spawn", "--accelerator", "cpu", "--devices", "2",
                            "--max_steps", "8", "--model.num_layers", "2", "--model.warmup_steps", "2",
                            "--data.batch_size", "4", "--trainer.val_check_interval", "4",
-                           "--trainer.callbacks+=tests.strategies.strategy_workers.LossAndWeights",
+                           "--trainer.callbacks+=tests.strategy_tests.strategy_workers.LossAndWeights",
                            f"--trainer.callbacks.out_dir={tmp_path}", cwd=tmp_path)
     assert re.search(r"^finished +8 steps in ", done.stdout, re.MULTILINE), done.stdout[-2000:]  # the run's summary
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

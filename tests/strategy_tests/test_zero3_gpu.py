@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("run", RUNS)
 def test_train_py_trains_on_one_gpu(run, tmp_path, train_py):
     done = train_py.run_ok(*RUNS[run], "--accelerator", "gpu", "--devices", "1", "--max_steps", "10", *train_py.tiny,
-                           *LARGER, "--trainer.callbacks+=tests.strategies.strategy_workers.LossAndWeights",
+                           *LARGER, "--trainer.callbacks+=tests.strategy_tests.strategy_workers.LossAndWeights",
                            f"--trainer.callbacks.out_dir={tmp_path}", cwd=tmp_path, timeout=540)
     assert re.search(r"^finished +10 steps in ", done.stdout, re.MULTILINE), done.stdout[-2000:]  # the run's summary
     result = torch.load(tmp_path / "rank0.pt")
