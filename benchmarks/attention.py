@@ -87,8 +87,9 @@ def time_attention(fn: AttnFn, q, k, v, rep_ms: int) -> dict[str, float | str]:
     times: dict[str, float | str] = {}
     for part, make_call in calls.items():
         try:
-            times[part] = do_bench(make_call(), warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median",
-                                   grad_to_none=[q, k, v])
+            times[part] = do_bench(
+                make_call(), warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median", grad_to_none=[q, k, v]
+            )
         except Exception as error:  # noqa: BLE001 - a failure of one implementation is a table entry
             times[part] = "OOM" if _is_oom(error) else "unsupported"
             if times[part] == "unsupported":
@@ -100,8 +101,9 @@ def time_attention(fn: AttnFn, q, k, v, rep_ms: int) -> dict[str, float | str]:
 
 
 def _qkv(batch: int, heads: int, n_q: int, n_k: int, d: int, dtype: torch.dtype):
-    return tuple(torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, requires_grad=True)
-                 for n in (n_q, n_k, n_k))
+    return tuple(
+        torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, requires_grad=True) for n in (n_q, n_k, n_k)
+    )
 
 
 def _with_tflops(row: dict, times: dict, flops: dict) -> dict:
@@ -135,23 +137,37 @@ def headline(args: argparse.Namespace) -> None:
         q = k = v = None
     # On an 80 GB card naive attention fits at batch 1 (about 50 GB of scores and softmax), not at batch 2.
     impls = implementations(["naive", "flash_triton"])
-    for name, dtype, batch in (("naive", "bf16", 1), ("naive", "fp32", 1), ("naive", "fp32", 2),
-                               ("flash_triton", "fp32", 2)):
+    for name, dtype, batch in (
+        ("naive", "bf16", 1),
+        ("naive", "fp32", 1),
+        ("naive", "fp32", 2),
+        ("flash_triton", "fp32", 2),
+    ):
         times = time_attention(impls[name], *_qkv(batch, 16, HEADLINE_N, HEADLINE_N, 64, DTYPES[dtype]), args.rep_ms)
         label = f"{name} ({dtype}" + (f", B{batch})" if batch > 1 else ")")
         rows.append({"impl": label, "d": 64, **{f"{p}_ms": t for p, t in times.items()}})
-    tiles = "; ".join(f"{kind} {key[:4]}: {config}" for kind, configs in tuned_configs().items()
-                      for key, config in configs.items())
+    tiles = "; ".join(
+        f"{kind} {key[:4]}: {config}" for kind, configs in tuned_configs().items() for key, config in configs.items()
+    )
     write_results(
-        "attention_headline", rows, f"Headline: B1 H16 N{HEADLINE_N} bf16 causal, forward + backward",
+        "attention_headline",
+        rows,
+        f"Headline: B1 H16 N{HEADLINE_N} bf16 causal, forward + backward",
         notes=f"Median over {args.rounds} interleaved rounds of the median of triton.testing.do_bench "
         f"(rep {args.rep_ms} ms). flash_triton_compiled is torch.compile(FlashAttention2Triton.apply), "
         "flash_triton the same Function called eagerly. Ratios are speed-ups: baseline time / this time "
         "(above 1 means faster than the baseline). naive rows: the model's PyTorch attention at the same shape "
         "(and at batch 2, beside flash_triton in fp32), to show where it runs out of memory. "
         f"Tiles the autotuner chose (N_q, N_k, d, causal): {tiles}.",
-        columns=["impl", "d", "fwd_ms", "bwd_ms", "fwd+bwd_ms", "fwd+bwd_TFLOPs",
-                 *(f"{p}_vs_{b}" for p in ("fwd+bwd", "bwd") for b in ("sdpa_flash", "sdpa_cudnn"))],
+        columns=[
+            "impl",
+            "d",
+            "fwd_ms",
+            "bwd_ms",
+            "fwd+bwd_ms",
+            "fwd+bwd_TFLOPs",
+            *(f"{p}_vs_{b}" for p in ("fwd+bwd", "bwd") for b in ("sdpa_flash", "sdpa_cudnn")),
+        ],
         out_dir=args.out_dir,
     )
 
@@ -176,8 +192,11 @@ def flash_sweep(args: argparse.Namespace) -> None:
                         row = {"impl": name, "dtype": dtype, "d": d, "N_q": n_q, "N_k": n}
                         rows.append(_with_tflops(row, times, attention_flops(1, n_q, n, d)))
                     q = k = v = None
-                    print(f"{dtype} d={d} N_q={n_q} N_k={n}: " + ", ".join(
-                        f"{r['impl']} {format_value(r['fwd+bwd_ms'])}" for r in rows[-len(impls):]), flush=True)
+                    print(
+                        f"{dtype} d={d} N_q={n_q} N_k={n}: "
+                        + ", ".join(f"{r['impl']} {format_value(r['fwd+bwd_ms'])}" for r in rows[-len(impls) :]),
+                        flush=True,
+                    )
     finally:  # a time limit (SIGINT) or a crash still leaves the points measured so far
         if rows:
             _write_flash(rows, args)
@@ -186,15 +205,24 @@ def flash_sweep(args: argparse.Namespace) -> None:
 def _write_flash(rows: list[dict], args: argparse.Namespace) -> None:
     points = len(FLASH_IMPLS) * 2 * len(args.flash_dtypes) * len(args.flash_head_dims) * len(args.flash_seq_lens)
     write_results(
-        "attention_flash_sweep", rows, "Attention implementations: batch 1, 1 head(s), causal",
+        "attention_flash_sweep",
+        rows,
+        "Attention implementations: batch 1, 1 head(s), causal",
         notes=("" if len(rows) == points else "**Partial run: stopped before the grid was done.** ")
         + f"Median of triton.testing.do_bench (rep {args.rep_ms} ms). 'rect' rows: N_q = N_k / 4, queries "
         "end-aligned to the keys. TFLOP/s count only the (query, key) pairs causal attention keeps "
         "(forward 4·d per pair, backward 2.5×). OOM: out of memory; unsupported: the backend refused the "
         f"dtype or shape; skipped: flash_torch beyond {FLASH_TORCH_MAX_PAIRS:.2g} score elements.",
         columns=["impl", "dtype", "d", "N_q", "N_k", *(f"{p}_ms" for p in PARTS), *(f"{p}_TFLOPs" for p in PARTS)],
-        plot=line_plot([r for r in rows if r["N_q"] == r["N_k"]], "N_k", "fwd+bwd_TFLOPs", series=["impl"],
-                       panels=["dtype", "d"], title="square, batch 1, one head", log="x"),
+        plot=line_plot(
+            [r for r in rows if r["N_q"] == r["N_k"]],
+            "N_k",
+            "fwd+bwd_TFLOPs",
+            series=["impl"],
+            panels=["dtype", "d"],
+            title="square, batch 1, one head",
+            log="x",
+        ),
         out_dir=args.out_dir,
     )
 

@@ -52,7 +52,10 @@ def _rank(args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
             yield {
                 "backend": args.backend,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "nproc": args.nproc, "op": op, "size_mb": size_mb, "time_ms": seconds.item() * 1e3,
+                "nproc": args.nproc,
+                "op": op,
+                "size_mb": size_mb,
+                "time_ms": seconds.item() * 1e3,
                 "algbw_GBps": nbytes / seconds.item() / 1e9,
                 "busbw_GBps": bus_bandwidth(nbytes, seconds.item(), args.nproc) / 1e9,
             }
@@ -60,11 +63,19 @@ def _rank(args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argument_parser(__doc__)
-    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl" if torch.cuda.is_available() else "gloo",
-                        help="nccl (one GPU per process; the default where CUDA is available) or gloo (on the CPU)")
+    parser.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default="nccl" if torch.cuda.is_available() else "gloo",
+        help="nccl (one GPU per process; the default where CUDA is available) or gloo (on the CPU)",
+    )
     parser.add_argument("--nproc", type=int, default=2, help="processes (with NCCL: at most the number of GPUs)")
-    parser.add_argument("--sizes-mb", type=lambda s: [float(x) for x in s.split(",")], default=[1, 10, 100, 1000],
-                        help="comma-separated tensor sizes in MB (10^6 bytes)")
+    parser.add_argument(
+        "--sizes-mb",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[1, 10, 100, 1000],
+        help="comma-separated tensor sizes in MB (10^6 bytes)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
@@ -83,10 +94,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _write(rows: list[dict], args: argparse.Namespace) -> None:
     title = f"All-reduce, {args.backend}, {args.nproc} processes, float32"
     write_results(
-        f"comm_{args.backend}_{args.nproc}proc", rows, title,
+        f"comm_{args.backend}_{args.nproc}proc",
+        rows,
+        title,
         notes=f"Median of the slowest rank over {args.iters} calls after {args.warmup} warm-up calls; "
         "bus bandwidth = 2(n-1)/n · bytes / time.",
-        plot=line_plot(rows, "size_mb", "busbw_GBps", series=["op"], title=title, log="x"), out_dir=args.out_dir,
+        plot=line_plot(rows, "size_mb", "busbw_GBps", series=["op"], title=title, log="x"),
+        out_dir=args.out_dir,
     )
 
 

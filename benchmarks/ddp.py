@@ -26,11 +26,11 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from lm_systems.attention import attention_names
 from benchmarks.ddp_variants import Run, Variant, build, checked_variant, make_step
 from benchmarks.device import add_device_arg, free_memory, reset_peak_memory, synchronize, timed
 from benchmarks.ranks import spawn_ranks
 from benchmarks.report import argument_parser, bar_plot, write_results
+from lm_systems.attention import attention_names
 from lm_systems.config import ModelConfig
 from lm_systems.parallel import gradient_process_group
 
@@ -41,8 +41,9 @@ PHASES = ("forward", "backward", "sync", "optimizer")
 
 def _rank(args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
     """This rank's part: every visit or pair in turn; each row on every rank."""
-    config = ModelConfig.from_name(args.size, context_length=args.context_length, attention=args.attention,
-                                   vocab_size=args.vocab_size)
+    config = ModelConfig.from_name(
+        args.size, context_length=args.context_length, attention=args.attention, vocab_size=args.vocab_size
+    )
     g = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
     batch = torch.randint(0, config.vocab_size, (args.batch_size, args.context_length + 1), device=device, generator=g)
     names = [name for pair in args.pairs for name in pair] if args.pairs else args.variants
@@ -94,8 +95,9 @@ def measure(run: Run, batch: torch.Tensor, args: argparse.Namespace, held_before
         "step_s": statistics.median(step_times),
         **{f"{k}_s": statistics.median(v) if v else float("nan") for k, v in phases.items()},
         "peak_mem": torch.cuda.max_memory_allocated(device) - held_before if device.type == "cuda" else float("nan"),
-        "opt_state": sum(v.numel() * v.element_size() for s in state.values() for v in s.values()
-                         if isinstance(v, torch.Tensor)),
+        "opt_state": sum(
+            v.numel() * v.element_size() for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ),
         "checksum": sum(p.detach().double().sum().item() for p in run.optimizer.param_groups[0]["params"]),
     }
 
@@ -107,7 +109,8 @@ def visit_row(result: dict | None, args: argparse.Namespace) -> dict:
     ranks = [r for r in per_rank if r is not None]
     step_s = max(r["step_s"] for r in ranks)
     return {
-        "nproc": len(ranks), "step_ms": step_s * 1e3,
+        "nproc": len(ranks),
+        "step_ms": step_s * 1e3,
         **{f"{k}_ms": max(r[f"{k}_s"] for r in ranks) * 1e3 for k in PHASES},
         "tokens_per_s": len(ranks) * args.batch_size * args.context_length / step_s,
         "peak_mem_GB": max(r["peak_mem"] for r in ranks) / GB,
@@ -121,7 +124,7 @@ def time_pair(runs: list[Run | None], batch: torch.Tensor, args: argparse.Namesp
     steps = [make_step(run, batch.device) if run is not None else None for run in runs]
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(args.warmup + args.iterations):
-        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
             dist.barrier()
             turn = [steps[which]] * args.steps_per_turn if steps[which] is not None else []
             seconds = timed(lambda: [step(batch) for step in turn], batch.device)
@@ -139,9 +142,16 @@ def pair_row(names: tuple[str, str], times: tuple[list[float], list[float]]) -> 
     a, b = times
     ratios = sorted(tb / ta for ta, tb in zip(a, b))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    return {"A": names[0], "B": names[1], "A_ms": statistics.median(a) * 1e3, "B_ms": statistics.median(b) * 1e3,
-            "B_over_A": statistics.median(ratios), "B_over_A_q1": quartiles[0], "B_over_A_q3": quartiles[2],
-            "iterations": len(ratios)}
+    return {
+        "A": names[0],
+        "B": names[1],
+        "A_ms": statistics.median(a) * 1e3,
+        "B_ms": statistics.median(b) * 1e3,
+        "B_over_A": statistics.median(ratios),
+        "B_over_A_q1": quartiles[0],
+        "B_over_A_q3": quartiles[2],
+        "iterations": len(ratios),
+    }
 
 
 def summarize(rows: list[dict], baseline: str = "torch_ddp") -> list[dict]:
@@ -155,8 +165,10 @@ def summarize(rows: list[dict], baseline: str = "torch_ddp") -> list[dict]:
             values = [r[k] for r in mine if k in r]
             if values:
                 out[k] = statistics.median(values)
-        for column, other, ratio in ((f"vs_{baseline}", baseline, lambda mine, other: mine / other),
-                                     ("scaling_eff", "single", lambda mine, other: other / mine)):
+        for column, other, ratio in (
+            (f"vs_{baseline}", baseline, lambda mine, other: mine / other),
+            ("scaling_eff", "single", lambda mine, other: other / mine),
+        ):
             ratios = [ratio(r["step_ms"], step_ms[(r["round"], other)]) for r in mine if (r["round"], other) in step_ms]
             out[column] = statistics.median(ratios) if ratios else float("nan")
         out["replicas_equal"] = all(r["replicas_equal"] for r in mine)
@@ -172,16 +184,22 @@ def zero1_memory_note(summary: list[dict], nproc: int) -> str:
         return ""
     zero, ddp = by_name["zero1"], by_name["bucketed_25"]
     saved, target = ddp["peak_mem_GB"] - zero["peak_mem_GB"], 0.9 * (1 - 1 / nproc) * ddp["opt_state_GB"]
-    return (f"- zero1 vs bucketed_25: peak memory {saved:.2f} GB lower per rank; target ≥ 0.9·(1−1/N)·"
-            f"{ddp['opt_state_GB']:.2f} GB optimizer state = {target:.2f} GB "
-            f"({'met' if saved >= target else 'missed'}); step time ×{zero['step_ms'] / ddp['step_ms']:.3f}")
+    return (
+        f"- zero1 vs bucketed_25: peak memory {saved:.2f} GB lower per rank; target ≥ 0.9·(1−1/N)·"
+        f"{ddp['opt_state_GB']:.2f} GB optimizer state = {target:.2f} GB "
+        f"({'met' if saved >= target else 'missed'}); step time ×{zero['step_ms'] / ddp['step_ms']:.3f}"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argument_parser(__doc__)
     runs = parser.add_mutually_exclusive_group()
-    runs.add_argument("--variants", type=lambda s: [checked_variant(v) for v in s.split(",")],
-                      default=DEFAULT_VARIANTS, help="comma-separated, visited one at a time (see ddp_variants)")
+    runs.add_argument(
+        "--variants",
+        type=lambda s: [checked_variant(v) for v in s.split(",")],
+        default=DEFAULT_VARIANTS,
+        help="comma-separated, visited one at a time (see ddp_variants)",
+    )
     runs.add_argument("--pairs", type=lambda s: [_pair(p) for p in s.split(",")], help="comma-separated A:B pairs")
     parser.add_argument("--size", default="xl", help="model size (tiny, small, medium, large, xl, 2.7b)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
@@ -225,30 +243,55 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
     label = f"{args.size}_{args.nproc}{'gpu' if args.device.type == 'cuda' else 'cpu'}"
-    setup = (f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, bf16-mixed, "
-             f"{args.attention} attention")
+    setup = (
+        f"{args.size}, batch {args.batch_size}/rank, context {args.context_length}, bf16-mixed, "
+        f"{args.attention} attention"
+    )
     if args.pairs:
-        notes = (f"{setup}. Both variants of a pair resident at once, turns of {args.steps_per_turn} back-to-back "
-                 f"step(s) alternating A B / B A over {args.iterations} timed iterations after {args.warmup} warm-up "
-                 "ones; each turn starts on all ranks together and counts on the slowest, per step. "
-                 "B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
-                 "for single:X pairs, 1 / B_over_A is X's scaling efficiency.")
-        write_results(f"ddp_paired_{label}", rows, "Data-parallel variants, paired A/B step times", notes,
-                      out_dir=args.out_dir)
+        notes = (
+            f"{setup}. Both variants of a pair resident at once, turns of {args.steps_per_turn} back-to-back "
+            f"step(s) alternating A B / B A over {args.iterations} timed iterations after {args.warmup} warm-up "
+            "ones; each turn starts on all ranks together and counts on the slowest, per step. "
+            "B_over_A: median of per-iteration ratios (q1, q3 its quartiles); "
+            "for single:X pairs, 1 / B_over_A is X's scaling efficiency."
+        )
+        write_results(
+            f"ddp_paired_{label}", rows, "Data-parallel variants, paired A/B step times", notes, out_dir=args.out_dir
+        )
         return
     setup += f", {'fused ' if args.device.type == 'cuda' else ''}AdamW, {args.nproc} processes"
     summary = summarize(rows)
-    notes = ("Plain PyTorch loop, processes started by torch.multiprocessing.spawn (no torchrun, no Trainer); "
-             f"variants interleaved over {args.rounds} rounds, a fresh model per visit; {args.warmup} warm-up, "
-             f"{args.steps} timed steps (median, slowest rank), {args.instrumented_steps} phase-instrumented steps. "
-             "sync_ms: gradient averaging left after backward (torch DDP waits inside backward, so 0 there). "
-             "scaling_eff: single-rank step time / step time. vs_torch_ddp: step-time ratio in the same round. "
-             "peak_mem_GB: the visit's peak allocation above what was allocated when it started.\n\n"
-             + zero1_memory_note(summary, args.nproc))
-    columns = ["variant", "nproc", "step_ms", "vs_torch_ddp", "scaling_eff", "tokens_per_s",
-               *(f"{p}_ms" for p in PHASES), "peak_mem_GB", "opt_state_GB", "replicas_equal", "rounds"]
-    write_results(f"ddp_{label}", summary, f"Data-parallel strategies: {setup}", notes, columns,
-                  bar_plot(summary, "variant", "step_ms", setup), args.out_dir)
+    notes = (
+        "Plain PyTorch loop, processes started by torch.multiprocessing.spawn (no torchrun, no Trainer); "
+        f"variants interleaved over {args.rounds} rounds, a fresh model per visit; {args.warmup} warm-up, "
+        f"{args.steps} timed steps (median, slowest rank), {args.instrumented_steps} phase-instrumented steps. "
+        "sync_ms: gradient averaging left after backward (torch DDP waits inside backward, so 0 there). "
+        "scaling_eff: single-rank step time / step time. vs_torch_ddp: step-time ratio in the same round. "
+        "peak_mem_GB: the visit's peak allocation above what was allocated when it started.\n\n"
+        + zero1_memory_note(summary, args.nproc)
+    )
+    columns = [
+        "variant",
+        "nproc",
+        "step_ms",
+        "vs_torch_ddp",
+        "scaling_eff",
+        "tokens_per_s",
+        *(f"{p}_ms" for p in PHASES),
+        "peak_mem_GB",
+        "opt_state_GB",
+        "replicas_equal",
+        "rounds",
+    ]
+    write_results(
+        f"ddp_{label}",
+        summary,
+        f"Data-parallel strategies: {setup}",
+        notes,
+        columns,
+        bar_plot(summary, "variant", "step_ms", setup),
+        args.out_dir,
+    )
 
 
 if __name__ == "__main__":

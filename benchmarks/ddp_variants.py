@@ -59,8 +59,9 @@ class Variant:
         if options and base == "single":
             raise ValueError("single communicates nothing: it takes no communication options")
         if fields.get("launch_thread") and base in ("torch_ddp", "naive"):
-            raise ValueError(f"+thread needs a container that launches during backward (overlap, bucketed_<MB>, "
-                             f"zero1), not {base!r}")
+            raise ValueError(
+                f"+thread needs a container that launches during backward (overlap, bucketed_<MB>, zero1), not {base!r}"
+            )
         if "exchange_stages" in fields and base != "zero1":
             raise ValueError(f"+stages<k> sets zero1's exchange pipeline, not {base!r}'s")
         return cls(base, **fields)

@@ -12,8 +12,12 @@ import torch
 
 def add_device_arg(parser: argparse.ArgumentParser) -> None:
     """``--device cuda|cpu``, as a torch.device; cuda by default where a GPU is visible."""
-    parser.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda or cpu (default: cuda where a GPU is visible)")
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda where a GPU is visible)",
+    )
 
 
 def _device(name: str) -> torch.device:

@@ -31,8 +31,16 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
 # NCCL's kernel names carry the collective (ncclDevKernel_AllGather_RING_LL, ..._ReduceScatter_Sum_bf16_...).
 COLLECTIVES = {"all_gather": "allgather", "reduce_scatter": "reducescatter", "all_reduce": "allreduce"}
-COLUMNS = ["traced_ms_per_step", "compute_ms", "nccl_ms", "nccl_exposed_ms",
-           *(f"exposed_{op}_ms" for op in COLLECTIVES), "gpu_idle_ms", "host_sync_ms", "launches"]
+COLUMNS = [
+    "traced_ms_per_step",
+    "compute_ms",
+    "nccl_ms",
+    "nccl_exposed_ms",
+    *(f"exposed_{op}_ms" for op in COLLECTIVES),
+    "gpu_idle_ms",
+    "host_sync_ms",
+    "launches",
+]
 
 Interval = tuple[float, float]
 
@@ -101,8 +109,9 @@ def summarize(events: list[dict], steps: int) -> dict[str, float]:
         row[f"exposed_{op}_ms"] = (covered(ran) - overlap(ran, compute)) * per_step if gpu_ran else math.nan
     row["gpu_idle_ms"] = (window - covered(busy)) * per_step if gpu_ran else math.nan
     row["host_sync_ms"] = sum(e["dur"] for e in host if _blocks_host(e["name"])) * per_step if host else math.nan
-    row["launches"] = sum("LaunchKernel" in e["name"] or e["name"] == "cudaGraphLaunch" for e in host) / steps \
-        if host else math.nan
+    row["launches"] = (
+        sum("LaunchKernel" in e["name"] or e["name"] == "cudaGraphLaunch" for e in host) / steps if host else math.nan
+    )
     return row
 
 
@@ -115,8 +124,9 @@ def summarize_file(path: Path, steps: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("traces", nargs="+", type=Path,
-                        help="Chrome traces exported by torch.profiler (.json, or .json.gz)")
+    parser.add_argument(
+        "traces", nargs="+", type=Path, help="Chrome traces exported by torch.profiler (.json, or .json.gz)"
+    )
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps each trace covers")
     args = parser.parse_args(argv)
     if args.steps < 1:

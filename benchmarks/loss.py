@@ -3,10 +3,12 @@
 At vocab 151,936 and d_model 4,096 (an 8B model's head), hidden states and weight in bf16, for 8,192 and 32,768
 tokens: forward + backward time and peak memory of
 
-- ``plain``: ``F.cross_entropy((h @ W.T).float(), t)``, eager: the whole logits, in bf16 and float32, and their gradient;
+- ``plain``: ``F.cross_entropy((h @ W.T).float(), t)``, eager: the whole logits, in bf16 and float32, and their
+  gradient;
 - ``plain_compiled``: the same under ``torch.compile``;
 - ``fused``: ``lm_systems.loss.fused_linear_cross_entropy``, its chunk loop and elementwise passes eager;
-- ``fused_compiled_chunks``: the same with ``compile_chunks=True`` (each chunk's elementwise work one compiled function);
+- ``fused_compiled_chunks``: the same with ``compile_chunks=True`` (each chunk's elementwise work one compiled
+  function);
 
 the fused ones at the library's default chunk and at each ``--chunk-tokens``. Time: the median of ``--reps`` steps,
 each between two device synchronisations, after ``--warmup`` untimed steps (compiling among them). Memory:
@@ -32,8 +34,18 @@ from lm_systems.loss import default_chunk_tokens, fused_linear_cross_entropy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-COLUMNS = ("tokens", "variant", "chunk_tokens", "status", "median_ms", "min_ms", "vs_plain", "peak_GiB", "extra_GiB",
-           "loss")
+COLUMNS = (
+    "tokens",
+    "variant",
+    "chunk_tokens",
+    "status",
+    "median_ms",
+    "min_ms",
+    "vs_plain",
+    "peak_GiB",
+    "extra_GiB",
+    "loss",
+)
 
 
 def plain_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -49,14 +61,23 @@ VARIANTS: dict[str, Callable[[int | None], LossFn]] = {  # name → loss functio
     "plain": lambda chunk: plain_loss,
     "plain_compiled": lambda chunk: _compiled_plain_loss(),
     "fused": lambda chunk: functools.partial(fused_linear_cross_entropy, chunk_tokens=chunk),
-    "fused_compiled_chunks": lambda chunk: functools.partial(fused_linear_cross_entropy, chunk_tokens=chunk,
-                                                             compile_chunks=True),
+    "fused_compiled_chunks": lambda chunk: functools.partial(
+        fused_linear_cross_entropy, chunk_tokens=chunk, compile_chunks=True
+    ),
 }
 
 
-def measure(loss_fn: LossFn, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, warmup: int,
-            reps: int, device: torch.device) -> dict:
-    """Forward + backward of ``loss_fn``: status, median and min ms, peak and extra GiB, the loss; 'OOM' if it ran out."""
+def measure(
+    loss_fn: LossFn,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    warmup: int,
+    reps: int,
+    device: torch.device,
+) -> dict:
+    """Forward + backward of ``loss_fn``: status, median and min ms, peak and extra GiB, the loss; 'OOM' if it ran
+    out."""
 
     def step() -> torch.Tensor:
         hidden.grad = weight.grad = None
@@ -78,8 +99,14 @@ def measure(loss_fn: LossFn, hidden: torch.Tensor, weight: torch.Tensor, targets
     finally:
         hidden.grad = weight.grad = None
         free_memory(device)
-    return {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times), "peak_GiB": peak,
-            "extra_GiB": peak - inputs, "loss": loss}
+    return {
+        "status": "ok",
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "peak_GiB": peak,
+        "extra_GiB": peak - inputs,
+        "loss": loss,
+    }
 
 
 def _inputs(tokens: int, vocab: int, d_model: int, dtype: torch.dtype, device: torch.device):
@@ -96,8 +123,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--d-model", type=int, default=4096)
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="of the hidden states and the weight")
-    parser.add_argument("--chunk-tokens", type=int, nargs="*", default=[512, 4096],
-                        help="fused chunk sizes measured besides the library's default for --vocab")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        nargs="*",
+        default=[512, 4096],
+        help="fused chunk sizes measured besides the library's default for --vocab",
+    )
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiling among them)")
     parser.add_argument("--reps", type=int, default=10, help="timed steps")
@@ -112,8 +144,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for variant in args.variants:
             # A chunk longer than the step is the whole step: measured once, under the size it runs at.
             for chunk in [None] if variant.startswith("plain") else dict.fromkeys(min(c, tokens) for c in chunks):
-                row = {"tokens": tokens, "variant": variant, "chunk_tokens": "" if chunk is None else chunk,
-                       **measure(VARIANTS[variant](chunk), *inputs, args.warmup, args.reps, args.device)}
+                row = {
+                    "tokens": tokens,
+                    "variant": variant,
+                    "chunk_tokens": "" if chunk is None else chunk,
+                    **measure(VARIANTS[variant](chunk), *inputs, args.warmup, args.reps, args.device),
+                }
                 if variant == "plain":
                     plain_ms = row.get("median_ms")
                 row["vs_plain"] = plain_ms / row["median_ms"] if plain_ms and "median_ms" in row else ""
@@ -124,16 +160,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     logits_gib = ", ".join(f"{t}: {t * args.vocab * 4 / 2**30:.1f}" for t in args.tokens)
     write_results(
-        args.name, rows, f"Fused LM head + cross-entropy: vocab {args.vocab}, d_model {args.d_model}, {args.dtype}, "
-        "forward + backward",
+        args.name,
+        rows,
+        f"Fused LM head + cross-entropy: vocab {args.vocab}, d_model {args.d_model}, {args.dtype}, forward + backward",
         notes=f"Median and min of {args.reps} steps after {args.warmup} untimed ones, each timed between two device "
         "synchronisations. peak_GiB: max_memory_allocated over one step from a reset; extra_GiB: that less what the "
         "inputs held before the step (the gradients of hidden and weight are among the extra). vs_plain: the eager "
         "plain step's time over this one (above 1 is faster). chunk_tokens "
-        f"{default_chunk_tokens(args.vocab)} is the library's default at this vocabulary (where it is no longer than the "
+        f"{default_chunk_tokens(args.vocab)} is the library's default at this vocabulary (where it is no longer than "
+        "the "
         "step). For scale, the float32 "
         f"logits of the whole step, GiB by tokens: {logits_gib}.",
-        columns=COLUMNS, out_dir=args.out_dir,
+        columns=COLUMNS,
+        out_dir=args.out_dir,
     )
     return rows
 

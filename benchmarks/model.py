@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from lm_systems.attention import attention_names, describe_attention
 from benchmarks.device import add_device_arg, free_memory, peak_memory_gib, reset_peak_memory, timed
 from benchmarks.report import argument_parser, line_plot, write_results
+from lm_systems.attention import attention_names, describe_attention
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.hardware import peak_flops
 from lm_systems.model import TransformerLM
@@ -42,8 +42,22 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FLOP_SHARE = {"forward": 1 / 3, "forward_backward": 1.0, "train_step": 1.0}
 CS336_SIZES = ("small", "medium", "large", "xl", "2.7b")
 COLUMNS = (
-    "size", "params_M", "context", "mode", "precision", "attention", "compile", "warmup", "status",
-    "mean_ms", "std_ms", "max_ms", "tokens_per_s", "mfu", "peak_mem_GiB", "residual_MiB",
+    "size",
+    "params_M",
+    "context",
+    "mode",
+    "precision",
+    "attention",
+    "compile",
+    "warmup",
+    "status",
+    "mean_ms",
+    "std_ms",
+    "max_ms",
+    "tokens_per_s",
+    "mfu",
+    "peak_mem_GiB",
+    "residual_MiB",
 )
 
 
@@ -146,16 +160,30 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             model = None
         if model is not None and args.compile:
             model = torch.compile(model)
-        for context, precision, mode, warmup in itertools.product(args.context_lengths, args.precisions, args.modes,
-                                                                  args.warmup_steps):
-            case = Case(size, context, mode, precision, attention, args.compile, warmup, args.steps, args.batch_size,
-                        args.vocab_size)
-            rows.append({
-                **asdict(case), "attention": describe_attention(attention, args.compile),
-                "params_M": model.num_parameters() / 1e6 if model is not None else "",
-                "residual_MiB": residual_bytes(case) / 2**20,
-                **_measure_recording_failures(model, case, args.device),
-            })
+        for context, precision, mode, warmup in itertools.product(
+            args.context_lengths, args.precisions, args.modes, args.warmup_steps
+        ):
+            case = Case(
+                size,
+                context,
+                mode,
+                precision,
+                attention,
+                args.compile,
+                warmup,
+                args.steps,
+                args.batch_size,
+                args.vocab_size,
+            )
+            rows.append(
+                {
+                    **asdict(case),
+                    "attention": describe_attention(attention, args.compile),
+                    "params_M": model.num_parameters() / 1e6 if model is not None else "",
+                    "residual_MiB": residual_bytes(case) / 2**20,
+                    **_measure_recording_failures(model, case, args.device),
+                }
+            )
             timing = f"{rows[-1]['mean_ms']:9.2f} ms" if rows[-1]["status"] == "ok" else rows[-1]["status"]
             print(f"{size} ctx {context} {mode} {precision} {attention} warmup {warmup}: {timing}", flush=True)
         model = None
@@ -180,8 +208,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-lengths", nargs="+", type=int, default=[128, 256, 512, 1024])
     parser.add_argument("--modes", nargs="+", default=["forward", "forward_backward"], choices=MODES)
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=list(PRECISIONS))
-    parser.add_argument("--attention", nargs="+", default=["auto"], choices=attention_names(),
-                        help="attention implementations, measured in turn on each size")
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        default=["auto"],
+        choices=attention_names(),
+        help="attention implementations, measured in turn on each size",
+    )
     parser.add_argument("--warmup-steps", nargs="+", type=int, default=[5], help="untimed steps before timing")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -209,14 +242,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
         + ("Each configuration ran in a fresh process. " if args.isolate else "")
         + ("Compiled with torch.compile. " if args.compile else "")
     )
-    varying = [k for k in ("context", "warmup", "size", "mode", "precision", "attention")
-               if len({r[k] for r in rows}) > 1]
+    varying = [
+        k for k in ("context", "warmup", "size", "mode", "precision", "attention") if len({r[k] for r in rows}) > 1
+    ]
     x = next((k for k in varying if k in ("context", "warmup", "size")), "size")
-    plot = line_plot(rows, x, "mean_ms", series=[k for k in varying if k in ("size", "attention", "warmup") and k != x],
-                     panels=[k for k in varying if k in ("mode", "precision")], title=f"step time ({args.name})",
-                     yerr="std_ms", log="y")
-    write_results(args.name, rows, title=f"TransformerLM step time ({args.name})", notes=notes, columns=COLUMNS,
-                  plot=plot, out_dir=args.out_dir)
+    plot = line_plot(
+        rows,
+        x,
+        "mean_ms",
+        series=[k for k in varying if k in ("size", "attention", "warmup") and k != x],
+        panels=[k for k in varying if k in ("mode", "precision")],
+        title=f"step time ({args.name})",
+        yerr="std_ms",
+        log="y",
+    )
+    write_results(
+        args.name,
+        rows,
+        title=f"TransformerLM step time ({args.name})",
+        notes=notes,
+        columns=COLUMNS,
+        plot=plot,
+        out_dir=args.out_dir,
+    )
     return rows
 
 

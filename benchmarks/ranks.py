@@ -23,15 +23,16 @@ TIMEOUT = timedelta(minutes=10)  # of every collective: a rank that stops ends t
 Worker = Callable[[Any, torch.device], Iterator[dict]]
 
 
-def spawn_ranks(worker: Worker, args: Any, nproc: int, backend: str,
-                write: Callable[[list[dict]], None]) -> list[dict]:
+def spawn_ranks(worker: Worker, args: Any, nproc: int, backend: str, write: Callable[[list[dict]], None]) -> list[dict]:
     """Run ``worker(args, device)`` on ``nproc`` processes in a ``backend`` group (NCCL: one GPU per rank;
     gloo: one CPU thread per rank). The rows rank 0's worker yields are returned, and given to ``write``
     also when a rank failed (the failure is raised after)."""
     queue = mp.get_context("spawn").SimpleQueue()
     rows: list[dict] = []
     try:
-        mp.spawn(_run_rank, args=(worker, args, nproc, backend, find_free_network_port(), queue), nprocs=nproc, join=True)
+        mp.spawn(
+            _run_rank, args=(worker, args, nproc, backend, find_free_network_port(), queue), nprocs=nproc, join=True
+        )
     finally:
         while not queue.empty():
             rows.append(queue.get())
@@ -47,8 +48,9 @@ def _run_rank(rank: int, worker: Worker, args: Any, nproc: int, backend: str, po
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=nproc, timeout=TIMEOUT,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend, rank=rank, world_size=nproc, timeout=TIMEOUT, device_id=device if device.type == "cuda" else None
+    )
     try:
         for row in worker(args, device):
             if rank == 0:

@@ -21,9 +21,12 @@ def argument_parser(doc: str) -> argparse.ArgumentParser:
     """A benchmark's command line: its module docstring as the help, and ``--out-dir`` (ad-hoc runs stay out of
     the committed results)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", type=Path, default=RUNS_DIR,
-                        help=f"where CSV / markdown / PNG go (default {RUNS_DIR}; benchmarks/results replaces the "
-                             "committed result)")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=RUNS_DIR,
+        help=f"where CSV / markdown / PNG go (default {RUNS_DIR}; benchmarks/results replaces the committed result)",
+    )
     return parser
 
 
@@ -71,8 +74,15 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -
     return "\n".join(lines)
 
 
-def write_results(name: str, rows: Sequence[dict], title: str, notes: str = "", columns: Sequence[str] | None = None,
-                  plot: Plot | None = None, out_dir: Path | str = RUNS_DIR) -> dict[str, Path]:
+def write_results(
+    name: str,
+    rows: Sequence[dict],
+    title: str,
+    notes: str = "",
+    columns: Sequence[str] | None = None,
+    plot: Plot | None = None,
+    out_dir: Path | str = RUNS_DIR,
+) -> dict[str, Path]:
     """Print ``rows`` as a table and write ``<name>.csv``, ``<name>.md`` (and ``<name>.png`` via ``plot``).
 
     The CSV is long-format (one row per measurement) with the environment repeated in each row, so
@@ -110,11 +120,20 @@ def write_results(name: str, rows: Sequence[dict], title: str, notes: str = "", 
     return paths
 
 
-def line_plot(rows: Sequence[dict], x: str, y: str, series: Sequence[str] = (), panels: Sequence[str] = (),
-              title: str = "", yerr: str | None = None, log: str = "") -> Plot:
+def line_plot(
+    rows: Sequence[dict],
+    x: str,
+    y: str,
+    series: Sequence[str] = (),
+    panels: Sequence[str] = (),
+    title: str = "",
+    yerr: str | None = None,
+    log: str = "",
+) -> Plot:
     """A ``plot`` for write_results: ``y`` against ``x``, a line per value of the ``series`` columns, a panel
     per value of the ``panels`` columns; ``log`` names the log-scaled axes ("x", "y", "xy"). Rows whose ``y``
     is not a number are left out."""
+
     def plot(path: Path) -> None:
         plt = _pyplot()
         drawn = [r for r in rows if isinstance(r.get(y), (int, float))]
@@ -124,10 +143,21 @@ def line_plot(rows: Sequence[dict], x: str, y: str, series: Sequence[str] = (), 
             in_panel = [r for r in drawn if _key(r, panels) == name]
             for label in dict.fromkeys(_key(r, series) for r in in_panel):
                 line = [r for r in in_panel if _key(r, series) == label]
-                ax.errorbar([r[x] for r in line], [r[y] for r in line], yerr=[r[yerr] for r in line] if yerr else None,
-                            marker="o", capsize=3, label=label or None)
-            ax.set(title=name or title, xlabel=x, ylabel=y, xscale="log" if "x" in log else "linear",
-                   yscale="log" if "y" in log else "linear")
+                ax.errorbar(
+                    [r[x] for r in line],
+                    [r[y] for r in line],
+                    yerr=[r[yerr] for r in line] if yerr else None,
+                    marker="o",
+                    capsize=3,
+                    label=label or None,
+                )
+            ax.set(
+                title=name or title,
+                xlabel=x,
+                ylabel=y,
+                xscale="log" if "x" in log else "linear",
+                yscale="log" if "y" in log else "linear",
+            )
             ax.grid(True, which="both", alpha=0.3)
             if series:
                 ax.legend(fontsize=7)
@@ -138,6 +168,7 @@ def line_plot(rows: Sequence[dict], x: str, y: str, series: Sequence[str] = (), 
 
 def bar_plot(rows: Sequence[dict], label: str, value: str, title: str) -> Plot:
     """A ``plot`` for write_results: one horizontal bar of ``value`` per row, named by its ``label``."""
+
     def plot(path: Path) -> None:
         plt = _pyplot()
         fig, ax = plt.subplots(figsize=(8, 1.5 + 0.35 * len(rows)))

@@ -79,8 +79,10 @@ STRATEGY_CLASSES = {
 BUCKET_ARGS = {"ddp": "bucket_cap_mb", "bucketed_ddp": "bucket_size_mb", "zero1": "bucket_size_mb"}
 # One optimisation recipe for every setup.
 LR, WARMUP_STEPS, CLIP = 3e-4, 5, 1.0
-TIMELINE_NOTES = ("--trace-steps steps after the timed segments, traced by torch.profiler (device activity) on "
-                  "each rank, per step: benchmarks/gpu_timeline.py says what each column counts.")
+TIMELINE_NOTES = (
+    "--trace-steps steps after the timed segments, traced by torch.profiler (device activity) on "
+    "each rank, per step: benchmarks/gpu_timeline.py says what each column counts."
+)
 
 
 class WindowTimer(Callback):
@@ -136,8 +138,9 @@ class WindowTimer(Callback):
             torch.cuda.synchronize(device)
         if starting:
             activity = torch.profiler.ProfilerActivity
-            self._profiler = torch.profiler.profile(activities=[activity.CUDA if device.type == "cuda" else
-                                                                activity.CPU])
+            self._profiler = torch.profiler.profile(
+                activities=[activity.CUDA if device.type == "cuda" else activity.CPU]
+            )
             self._profiler.start()
             return
         self._profiler.stop()
@@ -149,10 +152,15 @@ class WindowTimer(Callback):
         peak = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else float("nan")
         self._out_dir.mkdir(parents=True, exist_ok=True)
         flops = getattr(trainer.lightning_module, "flops_per_batch", None)
-        record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "segment_ms": self._segment_ms,
-                  "peak_GiB": peak, "timed_from_unix": self._timed_from_unix,
-                  "flops_per_step": flops * trainer.accumulate_grad_batches if flops else None,
-                  "peak_flops": peak_flops(device, compute_dtype(trainer))}
+        record = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "segment_ms": self._segment_ms,
+            "peak_GiB": peak,
+            "timed_from_unix": self._timed_from_unix,
+            "flops_per_step": flops * trainer.accumulate_grad_batches if flops else None,
+            "peak_flops": peak_flops(device, compute_dtype(trainer)),
+        }
         (self._out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -172,16 +180,23 @@ class Setup:
         head, *options = head.split("+")
         name, _, bucket = head.partition(":")
         if name != "single" and name not in STRATEGY_CLASSES or (name == "single" and bucket):
-            raise argparse.ArgumentTypeError(f"unknown setup {name!r} in {spec!r}: choose single or one of "
-                                             f"{', '.join(STRATEGY_CLASSES)}")
+            raise argparse.ArgumentTypeError(
+                f"unknown setup {name!r} in {spec!r}: choose single or one of {', '.join(STRATEGY_CLASSES)}"
+            )
         if bucket and name not in BUCKET_ARGS:
-            raise argparse.ArgumentTypeError(f"{name} takes no bucket size ({spec!r}); those that do: "
-                                             f"{', '.join(BUCKET_ARGS)}")
+            raise argparse.ArgumentTypeError(
+                f"{name} takes no bucket size ({spec!r}); those that do: {', '.join(BUCKET_ARGS)}"
+            )
         pairs = [option.split("=", 1) for option in [*options, *envs]]
         if any(len(pair) != 2 for pair in pairs):
             raise argparse.ArgumentTypeError(f"options and variables are key=value, got {spec!r}")
-        return cls(spec, name, bucket or None, tuple(map(tuple, pairs[:len(options)])),
-                   tuple(map(tuple, pairs[len(options):])))
+        return cls(
+            spec,
+            name,
+            bucket or None,
+            tuple(map(tuple, pairs[: len(options)])),
+            tuple(map(tuple, pairs[len(options) :])),
+        )
 
     def train_py_args(self, devices: int) -> list[str]:
         flags = [arg for key, value in self.init_args if key.startswith("--") for arg in (key, value)]
@@ -212,8 +227,9 @@ class Config:
         except ValueError:
             raise argparse.ArgumentTypeError(f"--configs takes CONTEXTxBATCH:compiled|eager, got {text!r}") from None
         if mode not in ("compiled", "eager") or context <= 0 or batch <= 0:
-            raise argparse.ArgumentTypeError(f"--configs takes CONTEXTxBATCH:compiled|eager with positive sizes, "
-                                             f"got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"--configs takes CONTEXTxBATCH:compiled|eager with positive sizes, got {text!r}"
+            )
         return cls(context, batch, mode == "compiled")
 
     @property
@@ -240,24 +256,58 @@ class Run:
         return statistics.median(self.segment_ms) if self.segment_ms else float("nan")
 
 
-def train_py_command(config: Config, setup: Setup, args: argparse.Namespace, workdir: Path, timer_dir: Path) -> list[str]:
+def train_py_command(
+    config: Config, setup: Setup, args: argparse.Namespace, workdir: Path, timer_dir: Path
+) -> list[str]:
     """The user's command line for ``setup`` with the timer added (checkpoints, validation and sampling off)."""
-    timer = {"class_path": "benchmarks.scaling.WindowTimer",
-             "init_args": {"out_dir": str(timer_dir), "warmup": args.warmup, "steps": args.steps,
-                           "segments": args.segments, "trace_steps": args.trace_steps}}
+    timer = {
+        "class_path": "benchmarks.scaling.WindowTimer",
+        "init_args": {
+            "out_dir": str(timer_dir),
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "segments": args.segments,
+            "trace_steps": args.trace_steps,
+        },
+    }
     return [
-        sys.executable, str(REPO / "train.py"),
-        "--accelerator", args.accelerator, "--precision", args.precision,
-        "--model.size", args.size, "--model.context_length", str(config.context),
-        "--model.attention", args.attention, "--model.compile", str(config.compile).lower(),
-        "--model.lr", str(LR), "--model.warmup_steps", str(WARMUP_STEPS), "--model.sample_prompt", "",
-        "--data.batch_size", str(config.batch_size),
-        "--max_steps", str(args.warmup + args.steps * args.segments + args.trace_steps),
-        "--trainer.gradient_clip_val", str(CLIP), "--trainer.limit_val_batches", "0",
-        "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
-        "--trainer.logger.init_args.save_dir", str(workdir / "logs"),
+        sys.executable,
+        str(REPO / "train.py"),
+        "--accelerator",
+        args.accelerator,
+        "--precision",
+        args.precision,
+        "--model.size",
+        args.size,
+        "--model.context_length",
+        str(config.context),
+        "--model.attention",
+        args.attention,
+        "--model.compile",
+        str(config.compile).lower(),
+        "--model.lr",
+        str(LR),
+        "--model.warmup_steps",
+        str(WARMUP_STEPS),
+        "--model.sample_prompt",
+        "",
+        "--data.batch_size",
+        str(config.batch_size),
+        "--max_steps",
+        str(args.warmup + args.steps * args.segments + args.trace_steps),
+        "--trainer.gradient_clip_val",
+        str(CLIP),
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger.init_args.save_dir",
+        str(workdir / "logs"),
         f"--trainer.callbacks+={json.dumps(timer)}",
-        *args.train_py_flags, *setup.train_py_args(args.devices),  # a setup's own flags last: they win
+        *args.train_py_flags,
+        *setup.train_py_args(args.devices),  # a setup's own flags last: they win
     ]
 
 
@@ -282,7 +332,11 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
     run = Run(config, setup, round_)
     timer_dir = workdir / f"visit{len(list(workdir.glob('visit*.log')))}"
     command = train_py_command(config, setup, args, workdir, timer_dir)
-    env = {**os.environ, **dict(setup.env), **(cold_caches(workdir / f"{timer_dir.name}_caches") if args.cold_caches else {})}
+    env = {
+        **os.environ,
+        **dict(setup.env),
+        **(cold_caches(workdir / f"{timer_dir.name}_caches") if args.cold_caches else {}),
+    }
     log = timer_dir.with_suffix(".log")
     launched = time.time()
     with log.open("w") as out:
@@ -290,16 +344,21 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
     records = [json.loads(path.read_text()) for path in sorted(timer_dir.glob("rank*.json"))]
     if code != 0 or not records:
         tail = log.read_text().strip().splitlines()[-15:]
-        run.error = (f"stopped after --run-timeout {args.run_timeout:g} s" if code is None
-                     else f"exit {code}: {tail[-1] if tail else 'no output'}")
+        run.error = (
+            f"stopped after --run-timeout {args.run_timeout:g} s"
+            if code is None
+            else f"exit {code}: {tail[-1] if tail else 'no output'}"
+        )
         print(f"  {setup.spec} failed ({run.error}); its output ends:\n    " + "\n    ".join(tail), flush=True)
         return run
     run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records))]
     run.peak_GiB = [r["peak_GiB"] for r in sorted(records, key=lambda r: r["rank"])]
     run.first_timed_s = max(r["timed_from_unix"] for r in records) - launched
     run.mfu = model_flops_utilisation(records[0], run.ms)
-    traces = sorted(timer_dir.glob("trace_rank*.json.gz"),
-                    key=lambda path: int(path.name.removeprefix("trace_rank").removesuffix(".json.gz")))
+    traces = sorted(
+        timer_dir.glob("trace_rank*.json.gz"),
+        key=lambda path: int(path.name.removeprefix("trace_rank").removesuffix(".json.gz")),
+    )
     run.timeline = [gpu_timeline.summarize_file(path, args.trace_steps) for path in traces]
     keep_traces(run, traces, Path(args.out_dir) / f"{args.name}_traces")
     return run
@@ -333,8 +392,10 @@ def baseline_spec(args: argparse.Namespace) -> str | None:
     """The setup over_baseline divides by: ``--baseline``, else torch DDP's (``ddp`` at 25 MB, or the first ``ddp``)."""
     if args.baseline:
         return args.baseline
-    return next((s.spec for s in args.setups if s.name == "ddp" and s.bucket_mb in (None, "25")),
-                next((s.spec for s in args.setups if s.name == "ddp"), None))
+    return next(
+        (s.spec for s in args.setups if s.name == "ddp" and s.bucket_mb in (None, "25")),
+        next((s.spec for s in args.setups if s.name == "ddp"), None),
+    )
 
 
 def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
@@ -357,48 +418,78 @@ def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
                 continue
             done = [run for run in mine if run.segment_ms]
             devices = 1 if setup.name == "single" else args.devices
-            row: dict[str, Any] = {"config": config.label, "setup": setup.spec, "devices": devices,
-                                   "rounds": len(done)}
+            row: dict[str, Any] = {"config": config.label, "setup": setup.spec, "devices": devices, "rounds": len(done)}
             if done:
                 ms = statistics.median(run.ms for run in done)
                 scaling = [1 / ratio for ratio in ratios(setup.spec, "single")]
                 over_base = ratios(setup.spec, base_spec) if base_spec else []
-                row.update(ms_per_step=ms, min_ms=min(run.ms for run in done), max_ms=max(run.ms for run in done),
-                           tokens_per_s=devices * config.batch_size * config.context / ms * 1e3,
-                           scaling=statistics.median(scaling) if scaling else "",
-                           over_baseline=statistics.median(over_base) if over_base else "",
-                           peak_GiB_per_rank=max(max(run.peak_GiB) for run in done),
-                           mfu=statistics.median(run.mfu for run in done) if all(run.mfu for run in done) else "",
-                           first_timed_s=max(run.first_timed_s for run in done))
+                row.update(
+                    ms_per_step=ms,
+                    min_ms=min(run.ms for run in done),
+                    max_ms=max(run.ms for run in done),
+                    tokens_per_s=devices * config.batch_size * config.context / ms * 1e3,
+                    scaling=statistics.median(scaling) if scaling else "",
+                    over_baseline=statistics.median(over_base) if over_base else "",
+                    peak_GiB_per_rank=max(max(run.peak_GiB) for run in done),
+                    mfu=statistics.median(run.mfu for run in done) if all(run.mfu for run in done) else "",
+                    first_timed_s=max(run.first_timed_s for run in done),
+                )
             errors = [run.error for run in mine if run.error]
             row["error"] = errors[-1] if errors else ""
             table.append(row)
     return table
 
 
-COLUMNS = ["config", "setup", "devices", "rounds", "ms_per_step", "min_ms", "max_ms", "tokens_per_s", "scaling",
-           "over_baseline", "peak_GiB_per_rank", "mfu", "first_timed_s", "error"]
+COLUMNS = [
+    "config",
+    "setup",
+    "devices",
+    "rounds",
+    "ms_per_step",
+    "min_ms",
+    "max_ms",
+    "tokens_per_s",
+    "scaling",
+    "over_baseline",
+    "peak_GiB_per_rank",
+    "mfu",
+    "first_timed_s",
+    "error",
+]
 TIMELINE_COLUMNS = ["config", "setup", "round", "rank", *gpu_timeline.COLUMNS]
 
 
 def timeline_rows(runs: list[Run]) -> list[dict]:
     """Per visit and rank, where its traced steps' time went (``benchmarks.gpu_timeline``)."""
-    return [{"config": run.config.label, "setup": run.setup.spec, "round": run.round + 1, "rank": rank, **summary}
-            for run in runs for rank, summary in enumerate(run.timeline)]
+    return [
+        {"config": run.config.label, "setup": run.setup.spec, "round": run.round + 1, "rank": rank, **summary}
+        for run in runs
+        for rank, summary in enumerate(run.timeline)
+    ]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argument_parser(__doc__)
     parser.add_argument("--devices", type=int, default=2, help="GPUs (processes) of the data-parallel setups")
     parser.add_argument("--size", default="xl", choices=sorted(MODEL_SIZES))
-    parser.add_argument("--configs", nargs="+", type=Config.parse,
-                        default=[Config(1024, 8, True), Config(512, 4, False)],
-                        help="CONTEXTxBATCH:compiled|eager, batch per GPU (default: 1024x8:compiled 512x4:eager)")
-    parser.add_argument("--setups", nargs="+", type=Setup.parse,
-                        default=[Setup.parse(s) for s in ("single", "ddp:25", "ddp:100", "ddp:1000", "bucketed_ddp",
-                                                          "zero1", "zero3", "fsdp2")],
-                        help="single, or strategy[:bucket_mb][+init_arg=value][@ENV=value] (default: single, ddp "
-                             "at 25/100/1000 MB, bucketed_ddp, zero1, zero3, fsdp2)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        type=Config.parse,
+        default=[Config(1024, 8, True), Config(512, 4, False)],
+        help="CONTEXTxBATCH:compiled|eager, batch per GPU (default: 1024x8:compiled 512x4:eager)",
+    )
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        type=Setup.parse,
+        default=[
+            Setup.parse(s)
+            for s in ("single", "ddp:25", "ddp:100", "ddp:1000", "bucketed_ddp", "zero1", "zero3", "fsdp2")
+        ],
+        help="single, or strategy[:bucket_mb][+init_arg=value][@ENV=value] (default: single, ddp "
+        "at 25/100/1000 MB, bucketed_ddp, zero1, zero3, fsdp2)",
+    )
     parser.add_argument("--baseline", help="the setup over_baseline divides by (default: ddp at 25 MB)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--attention", default="auto")
@@ -408,16 +499,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per timed segment")
     parser.add_argument("--segments", type=int, default=3, help="timed segments per visit")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a visit is stopped")
-    parser.add_argument("--trace-steps", type=int, default=0,
-                        help="after the timed segments, trace this many steps per rank with torch.profiler and "
-                             "write where their time went (NAME_timeline: GPU compute, NCCL, idle, host waits; "
-                             "the traces in NAME_traces/)")
-    parser.add_argument("--cold-caches", action="store_true",
-                        help="every visit starts from empty Triton, Inductor and kernel-tuning caches (first_timed_s "
-                             "is then the time a new machine takes to its first timed step)")
+    parser.add_argument(
+        "--trace-steps",
+        type=int,
+        default=0,
+        help="after the timed segments, trace this many steps per rank with torch.profiler and "
+        "write where their time went (NAME_timeline: GPU compute, NCCL, idle, host waits; "
+        "the traces in NAME_traces/)",
+    )
+    parser.add_argument(
+        "--cold-caches",
+        action="store_true",
+        help="every visit starts from empty Triton, Inductor and kernel-tuning caches (first_timed_s "
+        "is then the time a new machine takes to its first timed step)",
+    )
     parser.add_argument("--name", default="scaling", help="results file name (without extension)")
-    parser.add_argument("--train-py-flags", type=shlex.split, default=[],
-                        help="more train.py flags for every setup, in one string")
+    parser.add_argument(
+        "--train-py-flags", type=shlex.split, default=[], help="more train.py flags for every setup, in one string"
+    )
     args = parser.parse_args(argv)
     for flag in ("devices", "rounds", "warmup", "steps", "segments"):
         if getattr(args, flag) < 1:
@@ -434,16 +533,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     runs: list[Run] = []
-    notes = (f"`python train.py` per setup ({args.size}, {args.precision}, attention {args.attention}, AdamW lr {LR}, "
-             f"clip {CLIP}; checkpoints, validation and the closing sample off); {args.warmup} warm-up steps, then "
-             f"{args.segments} segments of {args.steps} steps, the device synchronised only between segments. "
-             "ms_per_step: median over rounds of each visit's median segment (the slowest rank's); scaling: the "
-             "same round's one-GPU step over this one (median over rounds); over_baseline: this step over "
-             f"{baseline_spec(args) or 'the baseline'}'s in the same round (median over rounds); peak_GiB_per_rank: "
-             "the largest rank's allocator peak over the timed steps; mfu: the model's FLOPs a step per GPU (causal "
-             "attention, recomputation not counted) over the step time and the device's dense peak; first_timed_s: "
-             "seconds from the launch to the first timed step (the slowest visit)"
-             f"{', every visit from empty compile and tuning caches' if args.cold_caches else ''}.")
+    notes = (
+        f"`python train.py` per setup ({args.size}, {args.precision}, attention {args.attention}, AdamW lr {LR}, "
+        f"clip {CLIP}; checkpoints, validation and the closing sample off); {args.warmup} warm-up steps, then "
+        f"{args.segments} segments of {args.steps} steps, the device synchronised only between segments. "
+        "ms_per_step: median over rounds of each visit's median segment (the slowest rank's); scaling: the "
+        "same round's one-GPU step over this one (median over rounds); over_baseline: this step over "
+        f"{baseline_spec(args) or 'the baseline'}'s in the same round (median over rounds); peak_GiB_per_rank: "
+        "the largest rank's allocator peak over the timed steps; mfu: the model's FLOPs a step per GPU (causal "
+        "attention, recomputation not counted) over the step time and the device's dense peak; first_timed_s: "
+        "seconds from the launch to the first timed step (the slowest visit)"
+        f"{', every visit from empty compile and tuning caches' if args.cold_caches else ''}."
+    )
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
         workdir = Path(tmp)
         for round_ in range(args.rounds):
@@ -454,12 +555,23 @@ def main(argv: list[str] | None = None) -> None:
                     if run.segment_ms:
                         print(f"  {run.ms:.1f} ms/step, peak {max(run.peak_GiB):.1f} GiB", flush=True)
                     runs.append(run)
-                    write_results(args.name, rows(runs, args), "Data-parallel scaling through train.py",
-                                  notes=notes, columns=COLUMNS, out_dir=args.out_dir)
+                    write_results(
+                        args.name,
+                        rows(runs, args),
+                        "Data-parallel scaling through train.py",
+                        notes=notes,
+                        columns=COLUMNS,
+                        out_dir=args.out_dir,
+                    )
                     if run.timeline:
-                        write_results(f"{args.name}_timeline", timeline_rows(runs),
-                                      "Where the traced steps' time went, per rank", notes=TIMELINE_NOTES,
-                                      columns=TIMELINE_COLUMNS, out_dir=args.out_dir)
+                        write_results(
+                            f"{args.name}_timeline",
+                            timeline_rows(runs),
+                            "Where the traced steps' time went, per rank",
+                            notes=TIMELINE_NOTES,
+                            columns=TIMELINE_COLUMNS,
+                            out_dir=args.out_dir,
+                        )
 
 
 if __name__ == "__main__":

@@ -107,15 +107,19 @@ def shape(name: str) -> Shape:
         flops_per_ms = TOKENS * reference.flops_per_token() / reference_compute
         step = TOKENS * model.flops_per_token() / flops_per_ms + ADAMW_MS_PER_PARAM * params
         activations = _activation_bytes_per_layer_width_token() * config.num_layers * config.d_model * TOKENS / GIB
-    buckets = {cap: tuple(sum(p.numel() * 4 for p in b) / 2**20 for b in gradient_buckets(model, cap))
-               for cap in (ONE_HOST_BUCKET_MB, ACROSS_HOSTS_BUCKET_MB)}
+    buckets = {
+        cap: tuple(sum(p.numel() * 4 for p in b) / 2**20 for b in gradient_buckets(model, cap))
+        for cap in (ONE_HOST_BUCKET_MB, ACROSS_HOSTS_BUCKET_MB)
+    }
     return Shape(name, params, config.num_layers, step, activations, buckets)
 
 
 def _activation_bytes_per_layer_width_token() -> float:
     """The measured models' activation bytes per layer, d_model and token, averaged."""
-    per = [shape(n).activations_gib * GIB / (c.num_layers * c.d_model * TOKENS)
-           for n, c in ((n, ModelConfig.from_name(n)) for n in ONE_GPU)]
+    per = [
+        shape(n).activations_gib * GIB / (c.num_layers * c.d_model * TOKENS)
+        for n, c in ((n, ModelConfig.from_name(n)) for n in ONE_GPU)
+    ]
     return sum(per) / len(per)
 
 
@@ -204,8 +208,11 @@ def memory_gib(model: Shape, strategy: str, n: int) -> float:
 # -- the four-GPU rows the model did not use: issue 50's table, measured on four H100s by a previous session
 FOUR_GPU_LEASE_ONE_GPU_MS = {"xl": (245.0 + 245.5) / 2, "2.7b": 364.4}  # the same lease's one-GPU steps
 FOUR_GPU_MEASURED = {  # (model, strategy): (step ms, peak GiB per rank)
-    ("xl", "bucketed_ddp"): (266.8, 55.0), ("xl", "zero1"): (263.1, 43.8), ("xl", "zero3"): (245.2, 33.3),
-    ("2.7b", "zero1"): (390.0, 55.7), ("2.7b", "zero3"): (355.7, 39.0),
+    ("xl", "bucketed_ddp"): (266.8, 55.0),
+    ("xl", "zero1"): (263.1, 43.8),
+    ("xl", "zero3"): (245.2, 33.3),
+    ("2.7b", "zero1"): (390.0, 55.7),
+    ("2.7b", "zero3"): (355.7, 39.0),
 }
 
 
@@ -214,15 +221,26 @@ def check_rows() -> list[dict]:
     for (name, strategy), (step, peak) in FOUR_GPU_MEASURED.items():
         model = shape(name)
         predicted, predicted_peak = step_ms(model, strategy, 4), memory_gib(model, strategy, 4)
-        rows.append({"model": name, "strategy": strategy, "measured_ms": step, "predicted_ms": predicted,
-                     "step_error": predicted / step - 1, "measured_scaling": FOUR_GPU_LEASE_ONE_GPU_MS[name] / step,
-                     "predicted_scaling": model.step_1gpu_ms / predicted, "measured_gib": peak,
-                     "predicted_gib": predicted_peak, "memory_error": predicted_peak / peak - 1})
+        rows.append(
+            {
+                "model": name,
+                "strategy": strategy,
+                "measured_ms": step,
+                "predicted_ms": predicted,
+                "step_error": predicted / step - 1,
+                "measured_scaling": FOUR_GPU_LEASE_ONE_GPU_MS[name] / step,
+                "predicted_scaling": model.step_1gpu_ms / predicted,
+                "measured_gib": peak,
+                "predicted_gib": predicted_peak,
+                "memory_error": predicted_peak / peak - 1,
+            }
+        )
     return rows
 
 
-def prediction_rows(gpus: tuple[int, ...] = (8, 64, 512), cluster: Cluster = RAIL,
-                    global_tokens: int | None = None) -> list[dict]:
+def prediction_rows(
+    gpus: tuple[int, ...] = (8, 64, 512), cluster: Cluster = RAIL, global_tokens: int | None = None
+) -> list[dict]:
     """Each model × strategy × GPU count at 1024 × 8 tokens per GPU, or at ``global_tokens`` a step shared by the
     GPUs. ``scaling``: one GPU's step at the same tokens per GPU over this one; ``speedup``: tokens per second over
     the first count's."""
@@ -235,38 +253,59 @@ def prediction_rows(gpus: tuple[int, ...] = (8, 64, 512), cluster: Cluster = RAI
                 tokens_per_ms = (global_tokens or n * TOKENS) / step
                 if n == gpus[0]:
                     first = tokens_per_ms
-                rows.append({"model": name, "strategy": strategy, "gpus": n, "step_ms": step,
-                             "scaling": model.step_1gpu_ms / step, "speedup": tokens_per_ms / first,
-                             "gib": peak, "fits": peak <= MEMORY_GIB})
+                rows.append(
+                    {
+                        "model": name,
+                        "strategy": strategy,
+                        "gpus": n,
+                        "step_ms": step,
+                        "scaling": model.step_1gpu_ms / step,
+                        "speedup": tokens_per_ms / first,
+                        "gib": peak,
+                        "fits": peak <= MEMORY_GIB,
+                    }
+                )
     return rows
 
 
 def _print_predictions(title: str, **options) -> None:
     print(f"\npredicted: compiled, bf16-mixed, 8 GPUs a host; {title}")
-    print("| model | strategy | GPUs | step ms | scaling | speed-up over the first count | GiB per GPU |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "| model | strategy | GPUs | step ms | scaling | speed-up over the first count | GiB per GPU |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for r in prediction_rows(**options):
         memory = f"{r['gib']:.1f}" + ("" if r["fits"] else f" (> {MEMORY_GIB:g}: does not fit)")
-        print(f"| {r['model']} | `{r['strategy']}` | {r['gpus']} | {r['step_ms']:.1f} | {r['scaling']:.1%} "
-              f"| {r['speedup']:.1f}× | {memory} |")
+        print(
+            f"| {r['model']} | `{r['strategy']}` | {r['gpus']} | {r['step_ms']:.1f} | {r['scaling']:.1%} "
+            f"| {r['speedup']:.1f}× | {memory} |"
+        )
 
 
 def main() -> None:
-    print("one-GPU steps (ms): " + ", ".join(f"{n} {shape(n).step_1gpu_ms:.1f}" for n in ("xl", "2.7b", "8b"))
-          + f"; slowdown beside NCCL: replicated {SLOWDOWN_REPLICATED:.3f}, zero3 {_zero3_slowdown():.3f} (fit)")
+    print(
+        "one-GPU steps (ms): "
+        + ", ".join(f"{n} {shape(n).step_1gpu_ms:.1f}" for n in ("xl", "2.7b", "8b"))
+        + f"; slowdown beside NCCL: replicated {SLOWDOWN_REPLICATED:.3f}, zero3 {_zero3_slowdown():.3f} (fit)"
+    )
     print("\ncheck: four H100s, rows not used (predicted / measured − 1)")
-    print("| model | strategy | step ms measured | predicted | error | scaling measured | predicted "
-          "| GiB measured | predicted | error |\n|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | strategy | step ms measured | predicted | error | scaling measured | predicted "
+        "| GiB measured | predicted | error |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     for r in check_rows():
-        print(f"| {r['model']} | `{r['strategy']}` | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
-              f"{r['step_error']:+.1%} | {r['measured_scaling']:.1%} | {r['predicted_scaling']:.1%} | "
-              f"{r['measured_gib']:.1f} | {r['predicted_gib']:.1f} | {r['memory_error']:+.1%} |")
+        print(
+            f"| {r['model']} | `{r['strategy']}` | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
+            f"{r['step_error']:+.1%} | {r['measured_scaling']:.1%} | {r['predicted_scaling']:.1%} | "
+            f"{r['measured_gib']:.1f} | {r['predicted_gib']:.1f} | {r['memory_error']:+.1%} |"
+        )
     _print_predictions("1024 × 8 per GPU; rings across hosts through all 8 NICs")
     _print_predictions("the same through one NIC a host", cluster=ONE_NIC)
     global_batch = {"global_tokens": 128 * TOKENS, "gpus": (128, 512)}
     _print_predictions("1M tokens a step (1024 × 8 on each of 128 GPUs); 8 NICs", **global_batch)
-    _print_predictions("the same with 1000 MB buckets across hosts", cluster=Cluster(bucket_mb=ONE_HOST_BUCKET_MB),
-                       **global_batch)
+    _print_predictions(
+        "the same with 1000 MB buckets across hosts", cluster=Cluster(bucket_mb=ONE_HOST_BUCKET_MB), **global_batch
+    )
 
 
 if __name__ == "__main__":

@@ -44,17 +44,24 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 
-from lm_systems.attention import attention_names
-from benchmarks.device import (add_device_arg, allocated_gib, free_memory, peak_memory_gib, reset_peak_memory,
-                                     synchronize, timed)
+from benchmarks.device import (
+    add_device_arg,
+    allocated_gib,
+    free_memory,
+    peak_memory_gib,
+    reset_peak_memory,
+    synchronize,
+    timed,
+)
 from benchmarks.report import argument_parser, write_results
-from train import main as train_py
+from lm_systems.attention import attention_names
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.hardware import peak_flops
 from lm_systems.model import CausalSelfAttention, TransformerLM
 from lm_systems.optim import adamw_param_groups, make_adamw
 from lm_systems.schedule import warmup_cosine
+from train import main as train_py
 
 PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
 # One optimisation recipe for both paths, passed to train.py explicitly.
@@ -74,8 +81,10 @@ class Setup:
 
     @property
     def label(self) -> str:
-        return (f"{self.size} ctx{self.context}×{self.batch_size} {self.precision} {self.attention}"
-                f"{' compiled' if self.compile else ''}")
+        return (
+            f"{self.size} ctx{self.context}×{self.batch_size} {self.precision} {self.attention}"
+            f"{' compiled' if self.compile else ''}"
+        )
 
     @property
     def shape_label(self) -> str:
@@ -99,17 +108,42 @@ class Rounds:
 def train_py_args(setup: Setup, max_steps: int, workdir: Path, device: torch.device) -> list[str]:
     """The command line a user would give train.py for ``setup`` on ``device`` (validation off)."""
     return [
-        "--accelerator", "gpu" if device.type == "cuda" else "cpu",
-        "--model.size", setup.size, "--model.context_length", str(setup.context),
-        "--model.attention", setup.attention, "--model.compile", str(setup.compile).lower(),
-        "--model.lr", str(LR), "--model.warmup_steps", str(WARMUP_STEPS), "--model.min_lr_ratio", str(MIN_LR_RATIO),
-        "--model.weight_decay", str(WEIGHT_DECAY), "--model.betas", f"[{BETAS[0]}, {BETAS[1]}]",
-        "--model.sample_prompt", "",
-        "--data.batch_size", str(setup.batch_size),
-        "--precision", setup.precision, "--max_steps", str(max_steps),
-        "--trainer.gradient_clip_val", str(CLIP), "--trainer.limit_val_batches", "0",
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.logger.init_args.save_dir", str(workdir),
+        "--accelerator",
+        "gpu" if device.type == "cuda" else "cpu",
+        "--model.size",
+        setup.size,
+        "--model.context_length",
+        str(setup.context),
+        "--model.attention",
+        setup.attention,
+        "--model.compile",
+        str(setup.compile).lower(),
+        "--model.lr",
+        str(LR),
+        "--model.warmup_steps",
+        str(WARMUP_STEPS),
+        "--model.min_lr_ratio",
+        str(MIN_LR_RATIO),
+        "--model.weight_decay",
+        str(WEIGHT_DECAY),
+        "--model.betas",
+        f"[{BETAS[0]}, {BETAS[1]}]",
+        "--model.sample_prompt",
+        "",
+        "--data.batch_size",
+        str(setup.batch_size),
+        "--precision",
+        setup.precision,
+        "--max_steps",
+        str(max_steps),
+        "--trainer.gradient_clip_val",
+        str(CLIP),
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.logger.init_args.save_dir",
+        str(workdir),
     ]
 
 
@@ -120,15 +154,17 @@ class PlainLoop:
     """The hand-written loop over a TransformerLM of its own: ``step()`` trains one batch."""
 
     def __init__(self, setup: Setup, data: LMDataModule, device: torch.device, total_steps: int) -> None:
-        config = ModelConfig.from_name(setup.size, context_length=setup.context, attention=setup.attention,
-                                       vocab_size=data.vocab_size)
+        config = ModelConfig.from_name(
+            setup.size, context_length=setup.context, attention=setup.attention, vocab_size=data.vocab_size
+        )
         with torch.device(device):
             self.model = TransformerLM(config)
         if setup.compile:
             self.model.compile()  # the whole model, as one compiles a hand-written loop
         self.optimizer = make_adamw(adamw_param_groups(self.model, WEIGHT_DECAY), LR, BETAS)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: warmup_cosine(step, WARMUP_STEPS, total_steps, MIN_LR_RATIO))
+            self.optimizer, lambda step: warmup_cosine(step, WARMUP_STEPS, total_steps, MIN_LR_RATIO)
+        )
         dtype = PRECISIONS[setup.precision]
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
@@ -171,8 +207,15 @@ class _Interleave(Callback):
     holds while paused (train.py's peak before the plain loop exists is read as it is).
     """
 
-    def __init__(self, make_plain: Callable[[], PlainLoop], attentions: list[str], warmup: int, steps: int,
-                 rounds: Rounds, on_round: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        make_plain: Callable[[], PlainLoop],
+        attentions: list[str],
+        warmup: int,
+        steps: int,
+        rounds: Rounds,
+        on_round: Callable[[], None],
+    ) -> None:
         self._make_plain, self._attentions = make_plain, attentions
         self._warmup, self._steps = warmup, steps
         self.rounds, self._on_round = rounds, on_round
@@ -230,8 +273,14 @@ def run_setup(setup: Setup, args: argparse.Namespace, workdir: Path, on_round: C
     plain_data.prepare_data()
     order = [setup.attention, *(name for name in args.attention if name != setup.attention)]
     measured = Rounds()
-    interleave = _Interleave(lambda: PlainLoop(setup, plain_data, args.device, total), order, args.warmup,
-                             args.steps, measured, lambda: on_round(measured))
+    interleave = _Interleave(
+        lambda: PlainLoop(setup, plain_data, args.device, total),
+        order,
+        args.warmup,
+        args.steps,
+        measured,
+        lambda: on_round(measured),
+    )
     cli.trainer.callbacks.append(interleave)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
@@ -244,8 +293,9 @@ def run_setup_here(setup: Setup, args: argparse.Namespace, workdir: Path, on_rou
     free_memory(args.device)
 
 
-def run_setup_in_own_process(setup: Setup, args: argparse.Namespace, workdir: Path,
-                             on_round: Callable[[Rounds], None]) -> None:
+def run_setup_in_own_process(
+    setup: Setup, args: argparse.Namespace, workdir: Path, on_round: Callable[[Rounds], None]
+) -> None:
     """``run_setup`` in a spawned process, which starts with the whole GPU; its rounds come back as each ends."""
     context = torch.multiprocessing.get_context("spawn")
     rounds_queue = context.Queue()
@@ -263,8 +313,10 @@ def run_setup_in_own_process(setup: Setup, args: argparse.Namespace, workdir: Pa
         on_round(rounds)
     process.join()
     if process.exitcode:
-        raise RuntimeError(f"{setup.label} failed in its process (exit code {process.exitcode}): its error is "
-                           "printed above; the rounds it finished are in the results")
+        raise RuntimeError(
+            f"{setup.label} failed in its process (exit code {process.exitcode}): its error is "
+            "printed above; the rounds it finished are in the results"
+        )
 
 
 def _run_and_send(setup: Setup, args: argparse.Namespace, workdir: Path, rounds_queue: Any) -> None:
@@ -283,8 +335,15 @@ def flops_per_token(setup: Setup, vocab_size: int) -> float:
 
 def _median_row(label: str, path: str, values: list[float], **columns: Any) -> dict:
     """A table row: the median of per-segment ``values`` with their range, then ``columns``."""
-    return {"setup": label, "path": path, "rounds": len(values), "ms_per_step": statistics.median(values),
-            "min_ms": min(values), "max_ms": max(values), **columns}
+    return {
+        "setup": label,
+        "path": path,
+        "rounds": len(values),
+        "ms_per_step": statistics.median(values),
+        "min_ms": min(values),
+        "max_ms": max(values),
+        **columns,
+    }
 
 
 def summary_rows(setup: Setup, measured: Rounds, vocab_size: int, device: torch.device) -> list[dict]:
@@ -295,9 +354,16 @@ def summary_rows(setup: Setup, measured: Rounds, vocab_size: int, device: torch.
     rows = []
     for path, segments in runs.items():
         ms = statistics.median(m.ms_per_step for m in segments)
-        rows.append(_median_row(setup.label, path, [m.ms_per_step for m in segments],
-                                tokens_per_s=tokens / ms * 1e3, mfu=flops * tokens / (ms * 1e-3) / peak if peak else "",
-                                peak_GiB=max(m.peak_gib for m in segments)))
+        rows.append(
+            _median_row(
+                setup.label,
+                path,
+                [m.ms_per_step for m in segments],
+                tokens_per_s=tokens / ms * 1e3,
+                mfu=flops * tokens / (ms * 1e-3) / peak if peak else "",
+                peak_GiB=max(m.peak_gib for m in segments),
+            )
+        )
     ratios = [a.ms_per_step / b.ms_per_step for a, b in zip(*runs.values())]
     memory = max(m.peak_gib for m in runs["train_py"]) / max(m.peak_gib for m in runs["plain"])
     return rows + [_median_row(setup.label, "train_py / plain", ratios, peak_GiB=memory)]
@@ -311,9 +377,14 @@ def attention_rows(setups: list[Setup], measured: dict[Setup, Rounds], attention
         for same_shape in (replace(setup, attention=name) for name in attentions):
             plain = measured[same_shape].plain if same_shape in measured else {}
             for name in attentions[1:]:
-                ratios[name] += [a.ms_per_step / b.ms_per_step for a, b in zip(plain.get(name, []), plain.get(first, []))]
-        rows += [_median_row(setup.shape_label, f"plain {name} / {first}", values)
-                 for name, values in ratios.items() if values]
+                ratios[name] += [
+                    a.ms_per_step / b.ms_per_step for a, b in zip(plain.get(name, []), plain.get(first, []))
+                ]
+        rows += [
+            _median_row(setup.shape_label, f"plain {name} / {first}", values)
+            for name, values in ratios.items()
+            if values
+        ]
     return rows
 
 
@@ -331,21 +402,44 @@ def parse_shape(text: str) -> tuple[int, int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argument_parser(__doc__)
     parser.add_argument("--size", default="xl", choices=sorted(MODEL_SIZES))
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(512, 4), (2048, 1)],
-                        metavar="CONTEXTxBATCH", help="context length × batch size per GPU (default: 512x4 2048x1)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=parse_shape,
+        default=[(512, 4), (2048, 1)],
+        metavar="CONTEXTxBATCH",
+        help="context length × batch size per GPU (default: 512x4 2048x1)",
+    )
     parser.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS))
-    parser.add_argument("--attention", nargs="+", choices=attention_names(),
-                        help="attention implementations to compare (default: sdpa flash_triton; sdpa on the CPU)")
-    parser.add_argument("--compile", nargs="+", choices=("off", "on"), default=["off", "on"],
-                        help="eager (off), torch.compiled (on), or both (default)")
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        choices=attention_names(),
+        help="attention implementations to compare (default: sdpa flash_triton; sdpa on the CPU)",
+    )
+    parser.add_argument(
+        "--compile",
+        nargs="+",
+        choices=("off", "on"),
+        default=["off", "on"],
+        help="eager (off), torch.compiled (on), or both (default)",
+    )
     parser.add_argument("--rounds", type=int, default=6, help="segments each path trains per setup")
     parser.add_argument("--warmup", type=int, default=10, help="untimed optimizer steps of each path first")
-    parser.add_argument("--steps", type=int, default=10,
-                        help="optimizer steps per timed segment (a multiple of train.py's log_every_n_steps, 10, "
-                             "keeps its logged steps in proportion)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=10,
+        help="optimizer steps per timed segment (a multiple of train.py's log_every_n_steps, 10, "
+        "keeps its logged steps in proportion)",
+    )
     parser.add_argument("--name", default="train_step", help="results file name (without extension)")
-    parser.add_argument("--train-py-flags", type=shlex.split, default=[],
-                        help="more train.py flags for its path, in one string, e.g. '--trainer.enable_progress_bar false'")
+    parser.add_argument(
+        "--train-py-flags",
+        type=shlex.split,
+        default=[],
+        help="more train.py flags for its path, in one string, e.g. '--trainer.enable_progress_bar false'",
+    )
     add_device_arg(parser)
     args = parser.parse_args(argv)
     args.attention = args.attention or (["sdpa", "flash_triton"] if args.device.type == "cuda" else ["sdpa"])
@@ -357,18 +451,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    setups = [Setup(args.size, context, batch, args.precision, attention, mode == "on")
-              for context, batch in args.shapes for mode in args.compile for attention in args.attention]
+    setups = [
+        Setup(args.size, context, batch, args.precision, attention, mode == "on")
+        for context, batch in args.shapes
+        for mode in args.compile
+        for attention in args.attention
+    ]
     measured: dict[Setup, Rounds] = {}
     # On a GPU each setup runs in a process of its own, which starts with the whole GPU's memory and no compiled
     # graphs; on the CPU in this one.
     run = run_setup_in_own_process if args.device.type == "cuda" else run_setup_here
     with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
         for setup in setups:
+
             def report(rounds: Rounds, setup: Setup = setup) -> None:
-                print(f"{setup.label} round {len(rounds.train_py)}: train_py {rounds.train_py[-1].ms_per_step:.1f} "
-                      + " ".join(f"plain {name} {m[-1].ms_per_step:.1f}" for name, m in rounds.plain.items())
-                      + " ms/step", flush=True)
+                print(
+                    f"{setup.label} round {len(rounds.train_py)}: train_py {rounds.train_py[-1].ms_per_step:.1f} "
+                    + " ".join(f"plain {name} {m[-1].ms_per_step:.1f}" for name, m in rounds.plain.items())
+                    + " ms/step",
+                    flush=True,
+                )
                 measured[setup] = rounds
                 write(setups, measured, args)
 
@@ -378,16 +480,27 @@ def main(argv: list[str] | None = None) -> None:
 def write(setups: list[Setup], measured: dict[Setup, Rounds], args: argparse.Namespace) -> None:
     """The summary of every setup measured so far, as results files."""
     vocab_size = LMDataModule().vocab_size
-    rows = [row for setup in setups if setup in measured
-            for row in summary_rows(setup, measured[setup], vocab_size, args.device)]
+    rows = [
+        row
+        for setup in setups
+        if setup in measured
+        for row in summary_rows(setup, measured[setup], vocab_size, args.device)
+    ]
     rows += attention_rows(setups, measured, args.attention)
     flags = f" train.py's extra flags: `{shlex.join(args.train_py_flags)}`." if args.train_py_flags else ""
-    notes = (f"Each setup: one process, {args.warmup} untimed steps of each path, then segments of {args.steps} "
-             f"optimizer steps, train.py's and the plain loop's in turn; AdamW (fused on CUDA) lr {LR}, clip {CLIP}. "
-             "Ratio rows: the median per-segment ratio of step times (min_ms/max_ms: its range) and, for "
-             f"train_py / plain, the ratio of peak memory.{flags}")
-    write_results(args.name, rows, "Training step: train.py's path against a plain PyTorch loop", notes=notes,
-                  out_dir=args.out_dir)
+    notes = (
+        f"Each setup: one process, {args.warmup} untimed steps of each path, then segments of {args.steps} "
+        f"optimizer steps, train.py's and the plain loop's in turn; AdamW (fused on CUDA) lr {LR}, clip {CLIP}. "
+        "Ratio rows: the median per-segment ratio of step times (min_ms/max_ms: its range) and, for "
+        f"train_py / plain, the ratio of peak memory.{flags}"
+    )
+    write_results(
+        args.name,
+        rows,
+        "Training step: train.py's path against a plain PyTorch loop",
+        notes=notes,
+        out_dir=args.out_dir,
+    )
 
 
 if __name__ == "__main__":

@@ -21,5 +21,12 @@ def every_run_callbacks() -> list[Callback]:
     return [MFUMonitor(), GCFreeze()]
 
 
-__all__ = ["GCFreeze", "MFUMonitor", "MemorySnapshot", "NVTXRanges", "StepTimer", "StepsProgressBar",
-           "every_run_callbacks"]
+__all__ = [
+    "GCFreeze",
+    "MFUMonitor",
+    "MemorySnapshot",
+    "NVTXRanges",
+    "StepTimer",
+    "StepsProgressBar",
+    "every_run_callbacks",
+]

@@ -69,7 +69,9 @@ class MemorySnapshot(Callback):
             )
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._active:
             return
         torch.cuda.reset_peak_memory_stats()
@@ -124,7 +126,9 @@ class MemorySnapshot(Callback):
     def _dump(self) -> None:
         assert self._out_dir is not None, "MemorySnapshot.setup was not called"
         self._out_dir.mkdir(parents=True, exist_ok=True)
-        steps = f"{self._start_step}" if self._last_step == self._start_step else f"{self._start_step}-{self._last_step}"
+        steps = (
+            f"{self._start_step}" if self._last_step == self._start_step else f"{self._start_step}-{self._last_step}"
+        )
         self.snapshot_path = self._out_dir / f"memory_snapshot_rank{self._rank}_step{steps}.pickle"
         dump_memory_snapshot(str(self.snapshot_path))
         record_memory_history(None)

@@ -46,7 +46,9 @@ class NVTXRanges(Callback):
         set_nvtx_enabled(False)
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._push("train_step")
         self._push("forward")
 

@@ -41,7 +41,9 @@ class _StepsBar(ProgressBar):
         return super().total_train_batches
 
     @override
-    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Union[int, str, float, dict[str, float]]]:
+    def get_metrics(
+        self, trainer: L.Trainer, pl_module: L.LightningModule
+    ) -> dict[str, Union[int, str, float, dict[str, float]]]:
         """Lightning's bar metrics plus the last *logged* training loss: values logged with ``prog_bar=True``
         are read from the GPU after every batch (a host sync per step); logged ones were read once, when logged.
         Without Lightning's ``v_num``: a bare number beside the losses; the run's summary names its folder."""

@@ -64,7 +64,9 @@ class StepTimer(Callback):
         self._on_cuda = trainer.strategy.root_device.type == "cuda"
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._timing = self._warmup_steps <= trainer.global_step < self._warmup_steps + self._timed_steps
         if not self._timing:
             return

@@ -86,9 +86,9 @@ class MFUMonitor(CountingThroughputMonitor):
             )
         for stage_key in self.stages():
             kind = _TokensAndMFU if stage_key == RunningStage.TRAINING else _Unlogged
-            self.set_throughput(stage_key, kind(
-                available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs
-            ))
+            self.set_throughput(
+                stage_key, kind(available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs)
+            )
 
     @override
     @rank_zero_only

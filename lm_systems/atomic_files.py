@@ -17,7 +17,6 @@ from typing import Any, Iterable, Iterator
 
 from lm_systems.errors import os_error_in
 
-
 TEMPORARY_NAME = re.compile(r"\.tmp-(?P<pid>\d+)-[0-9a-f]{8}$")
 """The suffix ``atomic_write_path`` gives a file while it is written: the writer's process id and a random tag."""
 ABANDONED_AFTER_S = 60

@@ -94,7 +94,9 @@ def require_checkpoint_file(path: str | Path, flag: str) -> Path:
     """
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"{flag} {str(path)!r} is a folder, not a checkpoint file (pass e.g. {str(path / 'last.ckpt')!r})")
+        raise IsADirectoryError(
+            f"{flag} {str(path)!r} is a folder, not a checkpoint file (pass e.g. {str(path / 'last.ckpt')!r})"
+        )
     if not path.exists():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
     if not os.access(path, os.R_OK):
@@ -105,5 +107,7 @@ def require_checkpoint_file(path: str | Path, flag: str) -> Path:
     except (zipfile.BadZipFile, OSError):
         complete = False
     if not complete:
-        raise ValueError(f"{flag} {str(path)!r} is not a readable PyTorch checkpoint (truncated, or not written by torch.save)")
+        raise ValueError(
+            f"{flag} {str(path)!r} is not a readable PyTorch checkpoint (truncated, or not written by torch.save)"
+        )
     return path

@@ -23,8 +23,8 @@ from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_
 from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.config_files import check_config_files
 from lm_systems.cpu_threads import choose_cpu_threads
-from lm_systems.device_fit import check_model_fits_device, device_type
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.device_fit import check_model_fits_device, device_type
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
@@ -33,7 +33,6 @@ from lm_systems.resume import ResumedLoggingSteps, RunConfigRecord, SavedSetting
 from lm_systems.run_logger import run_version_of
 from lm_systems.run_summary import RunSummary
 from lm_systems.strategy_flags import strategy_names_as_classes
-
 
 SHORT_FLAGS: dict[str, tuple[type, str]] = {
     "strategy": (Optional[str], "ddp, naive_ddp, overlap_ddp, bucketed_ddp, zero1, zero3 (each also *_spawn), auto, …"),
@@ -112,20 +111,28 @@ class LMCLI(CommandLineOverCheckpointCLI):
         for name, (kind, help_text) in SHORT_FLAGS.items():
             group.add_argument(f"--{name}", type=kind, default=None, help=f"{help_text} (--trainer.{name})")
         parser.add_argument(
-            "--checkpointing_interval", type=int, default=0,
+            "--checkpointing_interval",
+            type=int,
+            default=0,
             help="> 0: a step=N.ckpt every N optimizer steps; <= 0: only at the end (the final step is always "
             "saved; last.ckpt links the newest). A ModelCheckpoint of your own in trainer.callbacks replaces this.",
         )
         parser.add_argument(
-            "--resume_into_run", type=bool, default=False,
+            "--resume_into_run",
+            type=bool,
+            default=False,
             help="with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version",
         )
         parser.add_argument(
-            "--debug", type=bool, default=False,
+            "--debug",
+            type=bool,
+            default=False,
             help=f"on an error, show the whole traceback instead of one line (also {DEBUG_ENV}=1)",
         )
         # The data windows are as long as the model's context.
-        parser.link_arguments(("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length)
+        parser.link_arguments(
+            ("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length
+        )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -181,8 +188,12 @@ class LMCLI(CommandLineOverCheckpointCLI):
         if not _has(plugins, CheckpointIO):
             plugins.append(SafeCheckpointIO())
         # After the progress bar: the summary prints once the bar has stopped.
-        defaults = [*self._parts.callbacks(), RunConfigRecord(_subcommand_part(self.config)), ResumedLoggingSteps(),
-                    RunSummary()]
+        defaults = [
+            *self._parts.callbacks(),
+            RunConfigRecord(_subcommand_part(self.config)),
+            ResumedLoggingSteps(),
+            RunSummary(),
+        ]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
 
@@ -205,12 +216,15 @@ class LMCLI(CommandLineOverCheckpointCLI):
         run = run_version_of(ckpt_path) if ckpt_path else None
         if run is None:
             raise ValueError(
-                f"--resume_into_run needs a --ckpt_path inside <save_dir>/<name>/version_N/checkpoints/, got {ckpt_path!r}"
+                "--resume_into_run needs a --ckpt_path inside <save_dir>/<name>/version_N/checkpoints/, got "
+                f"{ckpt_path!r}"
             )
         logger = config.trainer.get("logger")
         class_path = getattr(logger, "class_path", "") or ""
         if not class_path.endswith(("RunLogger", "TensorBoardLogger")):
-            raise ValueError("--resume_into_run continues a TensorBoard run folder: leave --trainer.logger at its default")
+            raise ValueError(
+                "--resume_into_run continues a TensorBoard run folder: leave --trainer.logger at its default"
+            )
         save_dir, name, version = run
         logger.init_args.save_dir, logger.init_args.name, logger.init_args.version = save_dir, name, version
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")  # it is asked for
@@ -261,7 +275,9 @@ def check_trainer_choices(trainer: Any, ours: Sequence[str] = ()) -> None:
     }
     for name, valid in choices.items():
         value = trainer.get(name)
-        if isinstance(value, (str, int)) and str(value) not in valid:  # an object from a YAML config is Lightning's to check
+        if (
+            isinstance(value, (str, int)) and str(value) not in valid
+        ):  # an object from a YAML config is Lightning's to check
             raise ValueError(f"--{name} (--trainer.{name}) {value!r} is not one of: {', '.join(valid)}")
     devices = trainer.get("devices")
     if isinstance(devices, str) and devices.lstrip("-").isdigit():
@@ -271,14 +287,17 @@ def check_trainer_choices(trainer: Any, ours: Sequence[str] = ()) -> None:
     else:  # a list from a YAML config is Lightning's to check
         valid = not isinstance(devices, str) or devices == "auto" or _DEVICE_LIST.fullmatch(devices) is not None
     if not valid:
-        raise ValueError(f"--devices (--trainer.devices) {devices!r} is not a count > 0, -1 (all), 'auto' or a list "
-                         "such as '0,1'")
+        raise ValueError(
+            f"--devices (--trainer.devices) {devices!r} is not a count > 0, -1 (all), 'auto' or a list such as '0,1'"
+        )
     for name in ("accumulate_grad_batches", "val_check_interval"):
         value = trainer.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
             flag = f"--{name} (--trainer.{name})" if name in SHORT_FLAGS else f"--trainer.{name}"
-            raise ValueError(f"{flag} {value} must be > 0" + (
-                " (batches between validations, or a fraction of an epoch)" if name == "val_check_interval" else ""))
+            raise ValueError(
+                f"{flag} {value} must be > 0"
+                + (" (batches between validations, or a fraction of an epoch)" if name == "val_check_interval" else "")
+            )
 
 
 _DEVICE_LIST = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*")
@@ -287,7 +306,9 @@ _DEVICE_LIST = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*")
 
 _UNTELLING_LINES = (
     "💡 Tip",  # advertising
-    "GPU available:", "TPU available:", "HPU available:",  # the model's line says where it trains
+    "GPU available:",
+    "TPU available:",
+    "HPU available:",  # the model's line says where it trains
     "`Trainer.fit` stopped:",  # printed onto the bar's line; the run's summary says how many steps ran
 )
 

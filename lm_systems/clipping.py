@@ -30,8 +30,9 @@ def global_grad_norm(trainer: L.Trainer, module: torch.nn.Module) -> GlobalGradN
     return strategy if isinstance(strategy, GlobalGradNorm) else LocalGradNorm(module.parameters())
 
 
-def clip_grad_norm(norms: GlobalGradNorm, max_norm: float,
-                   in_step: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def clip_grad_norm(
+    norms: GlobalGradNorm, max_norm: float, in_step: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Scale the gradients to a global norm of at most ``max_norm``: the norm before clipping, and None.
 
     ``in_step`` (the optimizer ``can_scale_in_step``): the gradients are left as they are, and the divisor
@@ -53,8 +54,14 @@ class GradientClipping:
         self.guard = guard
         self.last_loss: Optional[torch.Tensor] = None  # this step's, set by the training step
 
-    def __call__(self, trainer: L.Trainer, optimizer: torch.optim.Optimizer, clip_val: Optional[float],
-                 algorithm: Any, clip: ClipFn) -> dict[str, torch.Tensor]:
+    def __call__(
+        self,
+        trainer: L.Trainer,
+        optimizer: torch.optim.Optimizer,
+        clip_val: Optional[float],
+        algorithm: Any,
+        clip: ClipFn,
+    ) -> dict[str, torch.Tensor]:
         """Clip at ``clip_val`` (none: falsy) by ``clip``; what a logged step records of it: the norm before clipping
         and, under "skip", the steps skipped so far (under "stop" that would always read 0: the run stops instead)."""
         if clip_val and algorithm not in (None, "norm"):

@@ -14,8 +14,9 @@ from lm_systems.strategy_offers import BlockRuns
 CompileChoice = Union[bool, Literal["blocks", "model", "buckets"]]
 
 
-def compile_model(model: TransformerLM, choice: CompileChoice, trainer: Optional[L.Trainer],
-                  module: L.LightningModule) -> None:
+def compile_model(
+    model: TransformerLM, choice: CompileChoice, trainer: Optional[L.Trainer], module: L.LightningModule
+) -> None:
     """Per block where gradients are reduced across processes, so that each block's are ready as its backward ends;
     else the whole model, whose one graph launches its kernels with less host work per step (unless ``choice`` names
     one of the two). "buckets": per run of blocks that the strategy's ``block_runs`` gives for ``module``, which it
@@ -25,13 +26,17 @@ def compile_model(model: TransformerLM, choice: CompileChoice, trainer: Optional
         strategy = trainer.strategy if trainer is not None else None
         if not isinstance(strategy, BlockRuns):
             name = type(strategy).__name__ if strategy is not None else "no trainer"
-            raise InputError(f"--model.compile buckets compiles the blocks whose gradients share a bucket as one "
-                             f"graph: it needs a bucketing strategy (--strategy bucketed_ddp or zero1), got "
-                             f"{name}; use --model.compile true")
+            raise InputError(
+                f"--model.compile buckets compiles the blocks whose gradients share a bucket as one "
+                f"graph: it needs a bucketing strategy (--strategy bucketed_ddp or zero1), got "
+                f"{name}; use --model.compile true"
+            )
         runs = strategy.block_runs(module, model.blocks)
         model.compile_blocks(runs=runs)
-        rank_zero_info(f"--model.compile buckets: the {len(model.blocks)} blocks compiled in {len(runs)} runs "
-                       f"of {', '.join(map(str, runs))} (one graph a run, whose gradients share a bucket)")
+        rank_zero_info(
+            f"--model.compile buckets: the {len(model.blocks)} blocks compiled in {len(runs)} runs "
+            f"of {', '.join(map(str, runs))} (one graph a run, whose gradients share a bucket)"
+        )
     elif choice == "blocks" or (choice is True and across_processes):
         model.compile_blocks()
     else:

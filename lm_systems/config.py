@@ -33,18 +33,19 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.attention not in attention_names():  # checked here only: the model and the registry trust it
             raise ValueError(
-                f"unknown attention {self.attention!r} (set --model.attention to one of: {', '.join(attention_names())})"
+                f"unknown attention {self.attention!r} (set --model.attention to one of: "
+                f"{', '.join(attention_names())})"
             )
         if self.activation_checkpointing not in RECOMPUTE_POLICIES:
-            raise ValueError(f"unknown activation checkpointing {self.activation_checkpointing!r} (set "
-                             f"--model.activation_checkpointing to one of: {', '.join(RECOMPUTE_POLICIES)})")
+            raise ValueError(
+                f"unknown activation checkpointing {self.activation_checkpointing!r} (set "
+                f"--model.activation_checkpointing to one of: {', '.join(RECOMPUTE_POLICIES)})"
+            )
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--model.{name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.num_heads:
-            raise ValueError(
-                f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
-            )
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
         if self.d_head % 2:
             raise ValueError(
                 f"RoPE needs an even head dimension, got d_model/num_heads = {self.d_head}: "
@@ -77,6 +78,7 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "xl": ModelConfig(d_model=1600, num_layers=48, num_heads=25, d_ff=6400),
     "2.7b": ModelConfig(d_model=2560, num_layers=32, num_heads=32, d_ff=10240),
     # The CS336 2026 leaderboard's 8B shape (vocab 151,936; context 32,768).
-    "8b": ModelConfig(vocab_size=151_936, context_length=32_768, d_model=4096, num_layers=34, num_heads=32,
-                      d_ff=11_008),
+    "8b": ModelConfig(
+        vocab_size=151_936, context_length=32_768, d_model=4096, num_layers=34, num_heads=32, d_ff=11_008
+    ),
 }

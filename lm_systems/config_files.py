@@ -41,5 +41,7 @@ def check_config_files(args: Sequence[str]) -> None:
             problem = getattr(error, "problem", None) or str(error).splitlines()[0]
             raise InputError(f"{flag} {name!r} is not valid YAML{where}: {problem}; fix the file") from error
         if value is not None and not isinstance(value, dict):
-            raise InputError(f"{flag} {name!r} holds a YAML {type(value).__name__}, not a mapping of keys such as "
-                             "'model:' and 'trainer:'")
+            raise InputError(
+                f"{flag} {name!r} holds a YAML {type(value).__name__}, not a mapping of keys such as "
+                "'model:' and 'trainer:'"
+            )

@@ -41,8 +41,10 @@ def check_model_fits_device(model: Any, accelerator: Any) -> None:
         return
     problem = attention_device_problem(model.attention, device)
     if problem is not None:
-        raise InputError(f"--model.attention {model.attention} cannot run on --accelerator {accelerator} ({device}): "
-                         f"{problem}; pass --model.attention sdpa (or auto), or train on a GPU")
+        raise InputError(
+            f"--model.attention {model.attention} cannot run on --accelerator {accelerator} ({device}): "
+            f"{problem}; pass --model.attention sdpa (or auto), or train on a GPU"
+        )
     if device == "cpu":
         parameters = _parameters(model)
         if parameters is not None and parameters > CPU_MAX_PARAMETERS:
@@ -58,8 +60,13 @@ def _parameters(model: Any) -> Optional[int]:
     when its shape is invalid (LitLM reports that, naming the flag)."""
     try:
         config = ModelConfig.from_name(
-            model.size, vocab_size=model.vocab_size or _ASSUMED_VOCAB, context_length=model.context_length,
-            d_model=model.d_model, num_layers=model.num_layers, num_heads=model.num_heads, d_ff=model.d_ff,
+            model.size,
+            vocab_size=model.vocab_size or _ASSUMED_VOCAB,
+            context_length=model.context_length,
+            d_model=model.d_model,
+            num_layers=model.num_layers,
+            num_heads=model.num_heads,
+            d_ff=model.d_ff,
         )
     except ValueError:
         return None

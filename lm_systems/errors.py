@@ -23,8 +23,17 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 DEBUG_ENV = "LM_SYSTEMS_DEBUG"
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
-                errno.EEXIST, errno.EISDIR}
+WRITE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOTDIR,
+    errno.EEXIST,
+    errno.EISDIR,
+}
 """An OSError with one of these, raised while writing, is the environment's problem: named in one line."""
 
 
@@ -76,9 +85,11 @@ def free_space(path: str | Path) -> str:
 def write_error_message(error: OSError) -> str:
     where = f"{str(error.filename)!r}" if error.filename else "a file"
     full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    return (f"cannot write {where}: {error.strerror or error} ({free_space(error.filename or '.')} on its filesystem); "
-            f"{'free some space or ' if full else ''}write elsewhere: --trainer.default_root_dir for logs and "
-            "checkpoints, --data.cache_dir for the data cache")
+    return (
+        f"cannot write {where}: {error.strerror or error} ({free_space(error.filename or '.')} on its filesystem); "
+        f"{'free some space or ' if full else ''}write elsewhere: --trainer.default_root_dir for logs and "
+        "checkpoints, --data.cache_dir for the data cache"
+    )
 
 
 def one_line(text: str) -> str:

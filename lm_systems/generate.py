@@ -1,7 +1,7 @@
 """Sample text from a training checkpoint (the sampling itself is lm_systems.sampling's).
 
-    python -m lm_systems.generate --ckpt last --prompt "Once upon a time"    # the newest run's last.ckpt
-    python -m lm_systems.generate --ckpt logs/lm_systems/version_3/checkpoints/step=300.ckpt
+python -m lm_systems.generate --ckpt last --prompt "Once upon a time"    # the newest run's last.ckpt
+python -m lm_systems.generate --ckpt logs/lm_systems/version_3/checkpoints/step=300.ckpt
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 def _number(kind: type, low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
     """An argparse type: ``kind(text)`` within [low, high] (low excluded when ``low_open``), else a one-line error."""
+
     def parse(text: str) -> float:
         try:
             value = kind(text)
@@ -79,15 +80,21 @@ def _check_device(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
-    parser.add_argument("--ckpt", required=True, default=argparse.SUPPRESS,
-                        help=f"checkpoint written by train.py, or {NEWEST!r}: the newest {RUN_CHECKPOINTS}")
+    parser.add_argument(
+        "--ckpt",
+        required=True,
+        default=argparse.SUPPRESS,
+        help=f"checkpoint written by train.py, or {NEWEST!r}: the newest {RUN_CHECKPOINTS}",
+    )
     parser.add_argument("--prompt", default="Once upon a time", help="text to continue (not empty)")
     parser.add_argument("--max_new_tokens", type=_number(int, 1), default=100, help="tokens to add at most")
     parser.add_argument("--temperature", type=_number(float, 0), default=0.8, help="0 means greedy")
     parser.add_argument("--top_p", type=_number(float, 0, 1, low_open=True), default=0.9, help="nucleus sampling mass")
     parser.add_argument("--num_samples", type=_number(int, 1), default=1, help="samples to print")
     parser.add_argument("--seed", type=int, default=0, help="seeds the sampling")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to run the model")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to run the model"
+    )
     parser.add_argument("--debug", action="store_true", help=f"on an error, show the traceback (also {DEBUG_ENV}=1)")
     args = parser.parse_args(argv)
     if not args.prompt:
@@ -109,8 +116,13 @@ def main(argv: list[str] | None = None) -> None:
         generator = torch.Generator().manual_seed(args.seed)
         for i in range(args.num_samples):
             text = sample_text(
-                model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature, top_p=args.top_p, generator=generator,
+                model,
+                tokenizer,
+                args.prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                generator=generator,
             )
             print(f"--- sample {i + 1} ---\n{text}")
 

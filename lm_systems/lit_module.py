@@ -120,18 +120,23 @@ class LitLM(L.LightningModule):
                 compile_model(self.model, self.hparams.compile, attached_trainer(self), self)
         if self._shape.data_shape is not None:
             self.flops_per_batch, self._num_parameters = describe_model(
-                self.model, self.hparams.size, self.hparams.compile, self._shape.data_shape, self.trainer)
+                self.model, self.hparams.size, self.hparams.compile, self._shape.data_shape, self.trainer
+            )
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The non-finite watch, the sample and, on resume, this run's optimizer settings (Lightning adds them)."""
-        return [NonFiniteWatch(self._nonfinite, divergence_advice(self.hparams.lr)),
-                TrainingSample(self.hparams.sample_prompt, self.hparams.sample_tokens), ThisRunsOptimizerSettings()]
+        return [
+            NonFiniteWatch(self._nonfinite, divergence_advice(self.hparams.lr)),
+            TrainingSample(self.hparams.sample_prompt, self.hparams.sample_tokens),
+            ThisRunsOptimizerSettings(),
+        ]
 
     def on_fit_start(self) -> None:
         if self.logger is not None:
             shape = self._shape.data_shape or (None, None)
-            self.logger.log_hyperparams(run_hyperparameters(self.hparams, self.config, self.trainer, shape,
-                                                            self._num_parameters))
+            self.logger.log_hyperparams(
+                run_hyperparameters(self.hparams, self.config, self.trainer, shape, self._num_parameters)
+            )
 
     def configure_optimizers(self) -> dict[str, Any]:
         # Fused AdamW on CUDA, in every precision: configure_gradient_clipping unscales for it under 16-mixed.
@@ -161,8 +166,12 @@ class LitLM(L.LightningModule):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
-                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
         """Clip by the global gradient norm, watch for non-finite values (:mod:`lm_systems.clipping`); log the norm."""
         clip_val, algorithm = gradient_clip_val, gradient_clip_algorithm
         for name, value in self._clipping(self.trainer, optimizer, clip_val, algorithm, self._clip_grad_norm).items():

@@ -30,8 +30,14 @@ def default_chunk_tokens(vocab: int) -> int:
 
 
 @torch.compiler.disable  # the chunk loop runs eagerly: a compiled model breaks its graph here
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               chunk_tokens: int | None = None, *, compile_chunks: bool = False) -> torch.Tensor:
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int | None = None,
+    *,
+    compile_chunks: bool = False,
+) -> torch.Tensor:
     """Mean over tokens of -log softmax(hidden @ weight.T)[target], without materialising the logits.
 
     hidden (N, D) and weight (V, D) are multiplied in the autocast dtype where autocast is on for their device, else
@@ -54,18 +60,24 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int | None) -> None:
     if hidden.ndim != 2 or hidden.shape[0] == 0:
-        raise ValueError(f"hidden must be (tokens, d_model) with at least one token, got shape {tuple(hidden.shape)} "
-                         "(flatten batch and time first: hidden.flatten(0, 1))")
+        raise ValueError(
+            f"hidden must be (tokens, d_model) with at least one token, got shape {tuple(hidden.shape)} "
+            "(flatten batch and time first: hidden.flatten(0, 1))"
+        )
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight must be (vocab, d_model) = (V, {hidden.shape[1]}), got shape {tuple(weight.shape)}")
     if not (hidden.is_floating_point() and weight.is_floating_point()):
         raise ValueError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
     if targets.shape != hidden.shape[:1] or targets.dtype != torch.int64:
-        raise ValueError(f"targets must be int64 of shape ({hidden.shape[0]},), one per token of hidden, got "
-                         f"{targets.dtype} of shape {tuple(targets.shape)}")
+        raise ValueError(
+            f"targets must be int64 of shape ({hidden.shape[0]},), one per token of hidden, got "
+            f"{targets.dtype} of shape {tuple(targets.shape)}"
+        )
     if not hidden.device == weight.device == targets.device:
-        raise ValueError(f"hidden, weight and targets must be on one device, got {hidden.device}, {weight.device} "
-                         f"and {targets.device}")
+        raise ValueError(
+            f"hidden, weight and targets must be on one device, got {hidden.device}, {weight.device} "
+            f"and {targets.device}"
+        )
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
 
@@ -76,8 +88,9 @@ def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=1) - logits.gather(1, targets[:, None]).squeeze(1)
 
 
-def _token_losses_and_grad(logits: torch.Tensor, targets: torch.Tensor,
-                           log_tokens: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_losses_and_grad(
+    logits: torch.Tensor, targets: torch.Tensor, log_tokens: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' losses in float32, and the gradient of the mean loss over all N = exp(log_tokens) tokens with respect
     to ``logits``, (softmax - one-hot) / N, written over ``logits`` in their dtype."""
     logits32 = logits.float()  # ``logits`` itself where they are float32
@@ -94,8 +107,9 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def _loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-          compile_chunks: bool) -> torch.Tensor:
+def _loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, compile_chunks: bool
+) -> torch.Tensor:
     """The mean loss alone, ``hidden`` and ``weight`` already in the compute dtype: no gradient buffers."""
     token_losses = _compiled(_token_losses) if compile_chunks else _token_losses
     losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -109,19 +123,27 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and both input gradients chunk by chunk; backward scales them by grad_output."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                dtype: torch.dtype, compile_chunks: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_tokens: int,
+        dtype: torch.dtype,
+        compile_chunks: bool,
+    ) -> torch.Tensor:
         token_losses = _compiled(_token_losses_and_grad) if compile_chunks else _token_losses_and_grad
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         h, w = hidden.to(dtype), weight.to(dtype)  # one cast each where the compute dtype differs
         tokens = h.shape[0]
         losses = torch.empty(tokens, dtype=torch.float32, device=h.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # The weight's gradient sums every chunk's gᵀ @ h. A 16-bit running sum would round at each of the many chunks
-        # (bf16 keeps 8 bits), so it is summed in float32 at least: at vocab 151,936 × d_model 4,096 that is 2.5 GB, plus
-        # a 1.2 GB 16-bit product buffer, against 1.2 GB for a 16-bit sum.
-        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) \
-            if need_weight else None
+        # The weight's gradient sums every chunk's gᵀ @ h. A 16-bit running sum would round at each of the many
+        # chunks (bf16 keeps 8 bits), so it is summed in float32 at least: at vocab 151,936 × d_model 4,096 that is
+        # 2.5 GB, plus a 1.2 GB 16-bit product buffer, against 1.2 GB for a 16-bit sum.
+        grad_weight = (
+            torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_weight else None
+        )
         product = torch.empty_like(w) if need_weight and w.dtype != grad_weight.dtype else None
         for start in range(0, tokens, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
@@ -140,8 +162,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         if ctx.gradients is None:
-            raise RuntimeError("fused_linear_cross_entropy hands its gradients over once: a second backward through "
-                               "the same graph (retain_graph=True) is not supported; call it again instead")
+            raise RuntimeError(
+                "fused_linear_cross_entropy hands its gradients over once: a second backward through "
+                "the same graph (retain_graph=True) is not supported; call it again instead"
+            )
         grad_hidden, grad_weight = ctx.gradients
         ctx.gradients = None  # scaled in place: nothing else holds them
         for grad in (grad_hidden, grad_weight):

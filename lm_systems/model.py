@@ -75,7 +75,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, dh)
+        q, k, v = (
+            self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        )  # 3 × (B, H, T, dh)
         q, k = self.rope(q), self.rope(k)
         attend = get_attention(self.attention_name, q)
         y = attend(q, k, v, True)  # (B, H, T, dh)
@@ -128,7 +130,9 @@ class LMHead(nn.Linear):
         if targets is None:
             return super().forward(x)  # (..., V)
         if self.fused:  # each chunk's elementwise passes compiled into one kernel on a GPU, where that ran faster
-            return fused_linear_cross_entropy(x.flatten(0, -2), self.weight, targets.flatten(), compile_chunks=x.is_cuda)
+            return fused_linear_cross_entropy(
+                x.flatten(0, -2), self.weight, targets.flatten(), compile_chunks=x.is_cuda
+            )
         return F.cross_entropy(super().forward(x).flatten(0, -2).float(), targets.flatten())
 
 
@@ -199,7 +203,9 @@ class TransformerLM(nn.Module):
 
         The plain loss (``fused_loss`` off) is compiled with the head, as the head's forward.
         """
-        if not self.config.fused_loss:  # the logits' cast, softmax and loss as fused kernels (the fused loss runs eager)
+        if (
+            not self.config.fused_loss
+        ):  # the logits' cast, softmax and loss as fused kernels (the fused loss runs eager)
             self.lm_head.forward = torch.compile(self.lm_head.forward, **compile_options)
         if runs is None:
             for block in self.blocks:
@@ -207,10 +213,11 @@ class TransformerLM(nn.Module):
             return
         runs = list(runs)
         if not runs or min(runs) < 1 or sum(runs) != len(self.blocks):
-            raise ValueError(f"runs are positive numbers of blocks that add up to the model's {len(self.blocks)}, "
-                             f"got {runs}")
+            raise ValueError(
+                f"runs are positive numbers of blocks that add up to the model's {len(self.blocks)}, got {runs}"
+            )
         firsts = itertools.accumulate([0, *runs[:-1]])
-        self._runs = [(first, tuple(self.blocks[first:first + size])) for first, size in zip(firsts, runs)]
+        self._runs = [(first, tuple(self.blocks[first : first + size])) for first, size in zip(firsts, runs)]
         self._run_compiled = torch.compile(_run_blocks, **compile_options)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:

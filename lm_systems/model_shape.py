@@ -27,8 +27,10 @@ class ModelShape:
     def config(self) -> ModelConfig:
         """The model's configuration, once its vocabulary is known."""
         if not self._vocab_known:
-            raise RuntimeError("the model's vocabulary is not known yet: it is the datamodule's tokenizer's, taken "
-                               "when a Trainer sets this module up (or set --model.vocab_size)")
+            raise RuntimeError(
+                "the model's vocabulary is not known yet: it is the datamodule's tokenizer's, taken "
+                "when a Trainer sets this module up (or set --model.vocab_size)"
+            )
         return self._config
 
     def fit_to_data(self, datamodule: Any) -> int:

@@ -21,8 +21,10 @@ NONFINITE_POLICIES = ("stop", "skip")
 def divergence_advice(lr: Optional[float] = None) -> str:
     """What to change after training diverged, naming the flags (and the learning rate in use, when given)."""
     now = f" (now {lr:g})" if lr is not None else ""
-    return (f"lower --model.lr{now}, keep gradient clipping on (--trainer.gradient_clip_val 1.0), "
-            "and prefer --precision bf16-mixed to 16-mixed")
+    return (
+        f"lower --model.lr{now}, keep gradient clipping on (--trainer.gradient_clip_val 1.0), "
+        "and prefer --precision bf16-mixed to 16-mixed"
+    )
 
 
 class NonFiniteTrainingError(RunError):
@@ -121,8 +123,9 @@ class NonFiniteWatch(L.Callback):
         self._advice = advice
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int
+    ) -> None:
         if logs_this_step(trainer) or self._guard.check_due():
             self._guard.check(self._advice)
 

@@ -18,8 +18,10 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             is_norm_or_embedding = isinstance(module, (RMSNorm, nn.Embedding))
             (no_decay if is_norm_or_embedding or param.ndim < 2 else decay).append(param)
     # The names label the groups in the optimizer's state (and in checkpoints); their learning rates are the same.
-    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
 
 
 def fused_adamw_possible(param_groups: list[dict]) -> bool:

@@ -71,7 +71,9 @@ class SavedSettings:
         """Log each setting of ``run`` (one subcommand's config) that differs from the checkpoint's."""
         changes = changed_settings(self.settings, flat_settings(run))
         if changes:
-            rank_zero_info(f"resuming from {self.path!r} with settings changed since it was saved: {', '.join(changes)}")
+            rank_zero_info(
+                f"resuming from {self.path!r} with settings changed since it was saved: {', '.join(changes)}"
+            )
 
     def _refuse_shape_changes(self, typed: Namespace) -> None:
         def shape(values: dict[str, Any]) -> ModelConfig:
@@ -83,8 +85,11 @@ class SavedSettings:
         if differing and typed_shape != saved_shape:
             key = differing[0]
             # Resolved values: an unset field (None) stands for the size's own, which is what the model was built with.
-            values = (typed.get(key), saved[key]) if key == "size" else (getattr(typed_shape, key),
-                                                                         getattr(saved_shape, key))
+            values = (
+                (typed.get(key), saved[key])
+                if key == "size"
+                else (getattr(typed_shape, key), getattr(saved_shape, key))
+            )
             raise ValueError(
                 f"--model.{key} {values[0]!r} does not match the checkpoint's {values[1]!r} ({self.path!r}): "
                 f"a resumed run keeps the model's shape ({', '.join(SHAPE_KEYS)}); drop --model.{key}, or train a "
@@ -95,17 +100,22 @@ class SavedSettings:
 def flat_settings(config: Namespace) -> dict[str, Any]:
     """The run's settings as ``{"trainer.max_steps": 300, ...}``: plain values only (no callbacks or objects), and
     a short flag's value under the trainer's key only (``--max_steps`` is ``--trainer.max_steps``)."""
+
     def plain(value: Any) -> bool:
         if isinstance(value, (list, tuple)):
             return all(plain(v) for v in value)
         return value is None or isinstance(value, (str, int, float, bool))
 
-    return {key: value for key, value in config.items()
-            if plain(value) and not key.startswith(_NOT_SETTINGS) and f"trainer.{key}" not in config}
+    return {
+        key: value
+        for key, value in config.items()
+        if plain(value) and not key.startswith(_NOT_SETTINGS) and f"trainer.{key}" not in config
+    }
 
 
 def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """``["model.lr 30.0 → 0.001", ...]`` for each setting in both whose value differs."""
+
     def same(a: Any, b: Any) -> bool:
         return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
 
@@ -119,7 +129,9 @@ class RunConfigRecord(L.Callback):
         self._settings = {k: v for k, v in flat_settings(config).items() if not k.startswith("model.")}
 
     @override
-    def on_save_checkpoint(self, trainer: "L.Trainer", pl_module: "L.LightningModule", checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: "L.Trainer", pl_module: "L.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
         checkpoint[RUN_CONFIG_KEY] = self._settings
 
 
@@ -130,12 +142,12 @@ class ResumedLoggingSteps(L.Callback):
         self._aligned = False
 
     @override
-    def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         if not self._aligned and trainer.ckpt_path is not None:
             align_logging_step(trainer)
         self._aligned = True
-
 
 
 class ThisRunsOptimizerSettings(L.Callback):
@@ -150,8 +162,13 @@ class ThisRunsOptimizerSettings(L.Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._settings = [{**{k: v for k, v in group.items() if k not in ("params", "initial_lr")},
-                           "lr": group.get("initial_lr", group["lr"])} for group in trainer.optimizers[0].param_groups]
+        self._settings = [
+            {
+                **{k: v for k, v in group.items() if k not in ("params", "initial_lr")},
+                "lr": group.get("initial_lr", group["lr"]),
+            }
+            for group in trainer.optimizers[0].param_groups
+        ]
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -16,8 +16,9 @@ from lm_systems.model import TransformerLM
 from lm_systems.model_shape import DataShape
 
 
-def describe_model(model: TransformerLM, size: str, compile: Union[bool, str], data_shape: DataShape,
-                   trainer: L.Trainer) -> tuple[Optional[float], int]:
+def describe_model(
+    model: TransformerLM, size: str, compile: Union[bool, str], data_shape: DataShape, trainer: L.Trainer
+) -> tuple[Optional[float], int]:
     """Log the model's line (size, parameters, FLOPs per token, attention, where and in what it trains); return the
     FLOPs of one batch of the data's windows (ThroughputMonitor and MFUMonitor read them) and the parameters, counted
     whole (a sharding strategy has not split them yet)."""
@@ -33,8 +34,13 @@ def describe_model(model: TransformerLM, size: str, compile: Union[bool, str], d
     return flops_per_batch, parameters
 
 
-def run_hyperparameters(hparams: Mapping[str, Any], config: ModelConfig, trainer: L.Trainer, data_shape: DataShape,
-                        num_parameters: Optional[int]) -> dict[str, Any]:
+def run_hyperparameters(
+    hparams: Mapping[str, Any],
+    config: ModelConfig,
+    trainer: L.Trainer,
+    data_shape: DataShape,
+    num_parameters: Optional[int],
+) -> dict[str, Any]:
     """What TensorBoard's HPARAMS tab compares runs by: the module's training settings with the model's shape
     resolved (the vocabulary the tokenizer gave), its size, and the batches and steps it trains on."""
     batch_size, context = data_shape
@@ -43,9 +49,15 @@ def run_hyperparameters(hparams: Mapping[str, Any], config: ModelConfig, trainer
     per_batch = batch_size * context if batch_size and context else None
     tokens = per_batch * trainer.world_size * trainer.accumulate_grad_batches if per_batch else None
     return {
-        **settings, **asdict(config), "parameters": num_parameters, "batch_size": batch_size,
-        "tokens_per_step": tokens, "max_steps": trainer.max_steps, "precision": trainer.precision,
-        "devices": trainer.world_size, "strategy": type(trainer.strategy).__name__,
+        **settings,
+        **asdict(config),
+        "parameters": num_parameters,
+        "batch_size": batch_size,
+        "tokens_per_step": tokens,
+        "max_steps": trainer.max_steps,
+        "precision": trainer.precision,
+        "devices": trainer.world_size,
+        "strategy": type(trainer.strategy).__name__,
     }
 
 

@@ -36,8 +36,12 @@ class RunLogger(VersionClaimingTensorBoardLogger):
     """
 
     def __init__(
-        self, save_dir: Union[str, Path], name: Optional[str] = "lightning_logs",
-        version: Optional[Union[int, str]] = None, hp_metric: Optional[str] = "val/loss", **kwargs: Any,
+        self,
+        save_dir: Union[str, Path],
+        name: Optional[str] = "lightning_logs",
+        version: Optional[Union[int, str]] = None,
+        hp_metric: Optional[str] = "val/loss",
+        **kwargs: Any,
     ) -> None:
         if hp_metric is not None:
             kwargs["default_hp_metric"] = False

@@ -106,7 +106,9 @@ class RunSummary(L.Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device) / 2**30
-            lines.append(("memory", f"{peak:.1f} GiB at most allocated on rank 0's GPU (torch.cuda.max_memory_allocated)"))
+            lines.append(
+                ("memory", f"{peak:.1f} GiB at most allocated on rank 0's GPU (torch.cuda.max_memory_allocated)")
+            )
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "")
         if checkpoint:
             lines.append(("checkpoint", _shown(checkpoint)))
@@ -128,10 +130,16 @@ class RunSummary(L.Callback):
         tokens_per_s = self._timed_tokens * trainer.world_size / seconds
         timed_steps = trainer.global_step - self._start_step - 1
         lines = [
-            ("speed", f"{tokens_per_s:,.0f} tokens/s, {seconds / timed_steps:.3g} s a step (after step 1, validation "
-                      "left out)"),
-            ("first step", f"done {_duration(self._timed_from - self._created)} after start-up (data, model, "
-                           "compiling and tuning included)"),
+            (
+                "speed",
+                f"{tokens_per_s:,.0f} tokens/s, {seconds / timed_steps:.3g} s a step (after step 1, validation "
+                "left out)",
+            ),
+            (
+                "first step",
+                f"done {_duration(self._timed_from - self._created)} after start-up (data, model, "
+                "compiling and tuning included)",
+            ),
         ]
         monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
         if monitor is None:
@@ -155,6 +163,7 @@ def _clock(trainer: L.Trainer) -> float:
 def _losses(trainer: L.Trainer, val_step: Optional[int]) -> str:
     """Final training loss (the last logged) and validation loss (the last validation's), read from the device once;
     each with its step where that is not the last."""
+
     def at(step: int) -> str:
         return "" if step == trainer.global_step else f" at step {step}"
 

@@ -46,9 +46,10 @@ class TrainingSample(L.Callback):
         # Every rank samples the same tokens, so a sharding container's gathers find all ranks; a compiled model runs
         # eagerly, as each new length would recompile it.
         with torch.compiler.set_stance("force_eager"):
-            text = sample_text(model, tokenizer, self._prompt, max_new_tokens=self._tokens,
-                               generator=torch.Generator().manual_seed(0))
+            text = sample_text(
+                model, tokenizer, self._prompt, max_new_tokens=self._tokens, generator=torch.Generator().manual_seed(0)
+            )
         self._last = (trainer.global_step, text)
-        shown = f"**{self._prompt}**{text[len(self._prompt):]}" if text.startswith(self._prompt) else text
+        shown = f"**{self._prompt}**{text[len(self._prompt) :]}" if text.startswith(self._prompt) else text
         # Lightning logs a step's metrics at its 0-based index: the last finished step's is global_step - 1.
         log_text(trainer.logger, "sample", shown, trainer.global_step - 1)

@@ -21,5 +21,13 @@ REGISTERED_NAMES: tuple[str, ...] = tuple(
 )
 """The names this package registered, in registration order: what train.py tells the command line are ours."""
 
-__all__ = ["REGISTERED_NAMES", "BucketedDDPStrategy", "ContainerDDPStrategy", "FSDP2Strategy", "NaiveDDPStrategy",
-           "OverlapDDPStrategy", "Zero1Strategy", "Zero3Strategy"]
+__all__ = [
+    "REGISTERED_NAMES",
+    "BucketedDDPStrategy",
+    "ContainerDDPStrategy",
+    "FSDP2Strategy",
+    "NaiveDDPStrategy",
+    "OverlapDDPStrategy",
+    "Zero1Strategy",
+    "Zero3Strategy",
+]

@@ -49,8 +49,16 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lm_systems.compat.lightning import ModelWrappingDDPStrategy
-from lm_systems.parallel import (BucketedDDP, DataParallelModule, NaiveDDP, PerParameterDDP, default_bucket_size_mb,
-                                 gradient_buckets, gradient_process_group, runs_within_buckets)
+from lm_systems.parallel import (
+    BucketedDDP,
+    DataParallelModule,
+    NaiveDDP,
+    PerParameterDDP,
+    default_bucket_size_mb,
+    gradient_buckets,
+    gradient_process_group,
+    runs_within_buckets,
+)
 from lm_systems.strategy_offers import GlobalGradNorm, LocalGradNorm
 from strategies.sigterm import HostSigtermStrategy
 
@@ -79,11 +87,15 @@ class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
         grad_comm_dtype: Optional[Literal["bf16", "fp16"]] = None,
     ) -> None:
         if comm_max_ctas is not None and comm_max_ctas < 1:
-            raise ValueError(f"comm_max_ctas must be a positive number of thread blocks or None, got {comm_max_ctas} "
-                             "(strategy init_args.comm_max_ctas)")
+            raise ValueError(
+                f"comm_max_ctas must be a positive number of thread blocks or None, got {comm_max_ctas} "
+                "(strategy init_args.comm_max_ctas)"
+            )
         if grad_comm_dtype is not None and grad_comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"grad_comm_dtype must be one of {sorted(COMM_DTYPES)} or None, got {grad_comm_dtype!r} "
-                             "(strategy init_args.grad_comm_dtype)")
+            raise ValueError(
+                f"grad_comm_dtype must be one of {sorted(COMM_DTYPES)} or None, got {grad_comm_dtype!r} "
+                "(strategy init_args.grad_comm_dtype)"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -162,7 +174,9 @@ class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
             name = cls.strategy_name + suffix
             if name not in strategy_registry:
                 strategy_registry.register(
-                    name, cls, description=f"{cls.strategy_description} (start_method={start_method!r})",
+                    name,
+                    cls,
+                    description=f"{cls.strategy_description} (start_method={start_method!r})",
                     start_method=start_method,
                 )
 
@@ -214,8 +228,10 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
 
     def __init__(self, bucket_size_mb: Optional[float] = None, **kwargs: Any) -> None:
         if bucket_size_mb is not None and not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be positive (or None to pick by the hosts), got {bucket_size_mb} "
-                             "(strategy init_args.bucket_size_mb)")
+            raise ValueError(
+                f"bucket_size_mb must be positive (or None to pick by the hosts), got {bucket_size_mb} "
+                "(strategy init_args.bucket_size_mb)"
+            )
         super().__init__(**kwargs)
         self._bucket_size_mb = bucket_size_mb
 
@@ -234,8 +250,11 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
     def wrap(self, module: Module, **comm: Any) -> DataParallelModule:
         cap = self.bucket_size_mb
         wrapped = BucketedDDP(module, bucket_size_mb=cap, launch_thread=self._launch_thread, **comm)
-        plan = ("in one bucket, once backward has ended" if math.isinf(cap)
-                else f"in {len(wrapped.buckets)} bucket(s) of at most {cap:g} MB, each launched once filled")
+        plan = (
+            "in one bucket, once backward has ended"
+            if math.isinf(cap)
+            else f"in {len(wrapped.buckets)} bucket(s) of at most {cap:g} MB, each launched once filled"
+        )
         chosen = " (the default; set bucket_size_mb to change)" if self._bucket_size_mb is None else ""
         rank_zero_info(f"{self.strategy_name}: gradients averaged {plan}{chosen}")
         return wrapped

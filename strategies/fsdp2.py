@@ -55,11 +55,16 @@ class FSDP2Strategy(HostSigtermStrategy, DataParallelMeshStrategy):
 
     def _shard(self, module: L.LightningModule, precision: str) -> None:
         if not isinstance(module, ShardingUnits):
-            raise TypeError(f"--strategy fsdp2 shards the units a LightningModule names in sharding_units() "
-                            f"(lm_systems.strategy_offers.ShardingUnits); {type(module).__name__} has no such method")
+            raise TypeError(
+                f"--strategy fsdp2 shards the units a LightningModule names in sharding_units() "
+                f"(lm_systems.strategy_offers.ShardingUnits); {type(module).__name__} has no such method"
+            )
         root, units = module.sharding_units()
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if precision in BF16_PRECISIONS else MixedPrecisionPolicy())
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision in BF16_PRECISIONS
+            else MixedPrecisionPolicy()
+        )
         mesh = self.device_mesh["data_parallel"]
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=self._reshard_after_forward)

@@ -21,9 +21,13 @@ def agree_on_overflow(plugin: Precision, device: torch.device, group: Optional[d
     if scaler is None or isinstance(scaler, ShardedGradScaler):
         return
     plugin.scaler = ScalarFlagShardedGradScaler(
-        device=device.type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
-        backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
-        enabled=scaler.is_enabled(), process_group=group or dist.group.WORLD,
+        device=device.type,
+        init_scale=scaler.get_scale(),
+        growth_factor=scaler.get_growth_factor(),
+        backoff_factor=scaler.get_backoff_factor(),
+        growth_interval=scaler.get_growth_interval(),
+        enabled=scaler.is_enabled(),
+        process_group=group or dist.group.WORLD,
     )
 
 

@@ -45,16 +45,25 @@ class Zero1Strategy(BucketedDDPStrategy):
     strategy_name = "zero1"
     strategy_description = "ZeRO-1: BucketedDDP gradients, ShardedOptimizer state"
 
-    def __init__(self, bucket_size_mb: Optional[float] = None, exchange: Exchange = "p2p", exchange_stages: int = 4,
-                 comm_high_priority: bool = True, grad_reduce: GradReduce = "owner", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        bucket_size_mb: Optional[float] = None,
+        exchange: Exchange = "p2p",
+        exchange_stages: int = 4,
+        comm_high_priority: bool = True,
+        grad_reduce: GradReduce = "owner",
+        **kwargs: Any,
+    ) -> None:
         if grad_reduce not in ("all_reduce", "owner"):
-            raise ValueError(f"grad_reduce must be 'all_reduce' or 'owner', got {grad_reduce!r} "
-                             "(strategy init_args.grad_reduce)")
+            raise ValueError(
+                f"grad_reduce must be 'all_reduce' or 'owner', got {grad_reduce!r} (strategy init_args.grad_reduce)"
+            )
         if exchange not in ("p2p", "broadcast"):
             raise ValueError(f"exchange must be 'p2p' or 'broadcast', got {exchange!r} (strategy init_args.exchange)")
         if exchange_stages < 1:
-            raise ValueError(f"exchange_stages must be at least 1, got {exchange_stages} "
-                             "(strategy init_args.exchange_stages)")
+            raise ValueError(
+                f"exchange_stages must be at least 1, got {exchange_stages} (strategy init_args.exchange_stages)"
+            )
         super().__init__(bucket_size_mb=bucket_size_mb, comm_high_priority=comm_high_priority, **kwargs)
         self._exchange = exchange
         self._exchange_stages = exchange_stages
@@ -85,11 +94,17 @@ class Zero1Strategy(BucketedDDPStrategy):
         if isinstance(optimizer, ShardedOptimizer):
             return optimizer
         wrapped = ShardedOptimizer(
-            optimizer.param_groups, type(optimizer), exchange=self._exchange, exchange_stages=self._exchange_stages,
-            process_group=self._grad_group, **optimizer_init_kwargs(optimizer),
+            optimizer.param_groups,
+            type(optimizer),
+            exchange=self._exchange,
+            exchange_stages=self._exchange_stages,
+            process_group=self._grad_group,
+            **optimizer_init_kwargs(optimizer),
         )
         if any(a is not b for a, b in zip(wrapped.param_groups, optimizer.param_groups)):
-            raise RuntimeError("ShardedOptimizer did not adopt the optimizer's param-group dicts; schedulers would not reach it")
+            raise RuntimeError(
+                "ShardedOptimizer did not adopt the optimizer's param-group dicts; schedulers would not reach it"
+            )
         # The scheduler wrapped the user's optimizer.step to check call order; it now drives the wrapper,
         # whose step runs in the right order but carries no such mark.
         warnings.filterwarnings("ignore", message="Seems like `optimizer.step\\(\\)` has been overridden")
@@ -99,16 +114,19 @@ class Zero1Strategy(BucketedDDPStrategy):
 def _owner_lookup(sharded: list[ShardedOptimizer], default: Optional[int] = None) -> Callable[[Parameter], int]:
     """The rank that steps a parameter, over every sharded optimizer; for one none of them holds, ``default``, or
     without it a clear error."""
-    owners = {id(p): optimizer.owner(p) for optimizer in sharded for group in optimizer.param_groups
-              for p in group["params"]}
+    owners = {
+        id(p): optimizer.owner(p) for optimizer in sharded for group in optimizer.param_groups for p in group["params"]
+    }
 
     def owner(param: Parameter) -> int:
         if id(param) in owners:
             return owners[id(param)]
         if default is None:
-            raise ValueError(f"zero1's grad_reduce 'owner' needs every trainable parameter in an optimizer, but one "
-                             f"of shape {tuple(param.shape)} is in none: no rank would step it; put it in one, or "
-                             "set --trainer.strategy.grad_reduce all_reduce")
+            raise ValueError(
+                f"zero1's grad_reduce 'owner' needs every trainable parameter in an optimizer, but one "
+                f"of shape {tuple(param.shape)} is in none: no rank would step it; put it in one, or "
+                "set --trainer.strategy.grad_reduce all_reduce"
+            )
         return default
 
     return owner

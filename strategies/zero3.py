@@ -1,4 +1,5 @@
-"""zero3: FullyShardedDataParallel (ZeRO-3: parameters, gradients and optimizer state sharded) as a Lightning strategy."""
+"""zero3: FullyShardedDataParallel (ZeRO-3: parameters, gradients and optimizer state sharded) as a Lightning
+strategy."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
 from lm_systems.strategy_offers import ShardingUnits
 from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
 from strategies.sharded_grad_scaler import agree_on_overflow
-
 
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
@@ -61,14 +61,19 @@ class Zero3Strategy(ContainerDDPStrategy):
     strategy_name = "zero3"
     strategy_description = "ZeRO-3: FullyShardedDataParallel, parameters, gradients and optimizer state sharded"
 
-    def __init__(self, compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto", prefetch: int = 1,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto", prefetch: int = 1, **kwargs: Any
+    ) -> None:
         if compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r} "
-                             "(--strategy zero3: --trainer.strategy.compute_dtype)")
+            raise ValueError(
+                f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r} "
+                "(--strategy zero3: --trainer.strategy.compute_dtype)"
+            )
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be a whole number of units, 0 or more, got {prefetch!r} "
-                             "(--strategy zero3: --trainer.strategy.prefetch)")
+            raise ValueError(
+                f"prefetch must be a whole number of units, 0 or more, got {prefetch!r} "
+                "(--strategy zero3: --trainer.strategy.prefetch)"
+            )
         super().__init__(**kwargs)
         self._compute_dtype = compute_dtype
         self._prefetch = prefetch

@@ -99,7 +99,7 @@ def _greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     model.eval()
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            next_id = int(model(torch.tensor([ids[-model.config.context_length:]]))[0, -1].argmax())
+            next_id = int(model(torch.tensor([ids[-model.config.context_length :]]))[0, -1].argmax())
             if next_id == eot_id:
                 break
             ids.append(next_id)
@@ -115,8 +115,11 @@ def greedy_text():
 def _assert_equal_nested(actual, expected, where: str) -> None:
     if isinstance(expected, torch.Tensor):
         same = isinstance(actual, torch.Tensor) and torch.equal(actual, expected)
-        assert same, f"{where} differs" + (f" by up to {(actual - expected).abs().max().item():.3g}"
-                                           if same is False and actual.shape == expected.shape else "")
+        assert same, f"{where} differs" + (
+            f" by up to {(actual - expected).abs().max().item():.3g}"
+            if same is False and actual.shape == expected.shape
+            else ""
+        )
     elif isinstance(expected, dict):
         assert actual.keys() == expected.keys(), where
         for key in expected:
@@ -144,9 +147,28 @@ def assert_same_training_state():
     return _assert_same_training_state
 
 
-TINY = ["--model.d_model", "32", "--model.num_layers", "1", "--model.num_heads", "2", "--model.d_ff", "64",
-        "--model.context_length", "16", "--model.sample_prompt", "", "--data.generated_stories", "300",
-        "--data.vocab_size", "300", "--data.batch_size", "2", "--data.val_batches", "1"]
+TINY = [
+    "--model.d_model",
+    "32",
+    "--model.num_layers",
+    "1",
+    "--model.num_heads",
+    "2",
+    "--model.d_ff",
+    "64",
+    "--model.context_length",
+    "16",
+    "--model.sample_prompt",
+    "",
+    "--data.generated_stories",
+    "300",
+    "--data.vocab_size",
+    "300",
+    "--data.batch_size",
+    "2",
+    "--data.val_batches",
+    "1",
+]
 """A train.py run of a tiny model on the generated corpus, without the closing sample."""
 
 
@@ -155,9 +177,19 @@ def tiny_args(cache_dir) -> list[str]:
     """TINY for ``train.main`` in this process, on the session's data cache (copy it to add flags)."""
     return [*TINY, "--data.cache_dir", str(cache_dir)]
 
+
 # What this process's test setup put in its environment, which a train.py run must not inherit.
-_NOT_INHERITED = ("TRITON_INTERPRET", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "RANK", "LOCAL_RANK", "NODE_RANK",
-                  "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_NOT_INHERITED = (
+    "TRITON_INTERPRET",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 class TrainPy:
@@ -173,13 +205,20 @@ class TrainPy:
         return {**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **extra}
 
     @contextmanager
-    def start(self, *args: str, cwd: Path, env: dict[str, str] | None = None, launcher: Sequence[str] = ()
-              ) -> Iterator[subprocess.Popen]:
+    def start(
+        self, *args: str, cwd: Path, env: dict[str, str] | None = None, launcher: Sequence[str] = ()
+    ) -> Iterator[subprocess.Popen]:
         """``python [launcher] train.py args`` running (``launcher``: say ``-m torch.distributed.run --nnodes 2 ...``);
         killed, with every process it started, on leaving the block if still alive."""
-        process = subprocess.Popen([sys.executable, *launcher, str(REPO / "train.py"), *args], cwd=cwd,
-                                   env=env or self.environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, *launcher, str(REPO / "train.py"), *args],
+            cwd=cwd,
+            env=env or self.environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             yield process
         finally:
@@ -189,15 +228,17 @@ class TrainPy:
             process.stdout.close()
             process.stderr.close()
 
-    def run(self, *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess:
+    def run(
+        self, *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """``train.py args`` to its end (killed after ``timeout`` seconds): exit code, stdout, stderr."""
         with self.start(*args, cwd=cwd, env=env) as process:
             out, err = process.communicate(timeout=timeout)
         return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
-    def run_ok(self, *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
-               ) -> subprocess.CompletedProcess:
+    def run_ok(
+        self, *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """As ``run``, which must exit 0."""
         done = self.run(*args, cwd=cwd, timeout=timeout, env=env)
         assert done.returncode == 0, f"train.py {' '.join(args)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from run_record import load_records, replay
 
 
@@ -36,6 +35,10 @@ def assert_trained_like_replay(run_dir: Path, world_size: int, clip: float) -> N
     (optimizer_state,) = saved["optimizer_states"]
     for index, state in reference["optimizer"]["state"].items():
         for moment in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(optimizer_state["state"][index][moment], state[moment], rtol=1e-4,
-                                       atol=1e-6 * state[moment].abs().max().item(),
-                                       msg=lambda m: f"parameter {index}'s {moment}: {m}")
+            torch.testing.assert_close(
+                optimizer_state["state"][index][moment],
+                state[moment],
+                rtol=1e-4,
+                atol=1e-6 * state[moment].abs().max().item(),
+                msg=lambda m: f"parameter {index}'s {moment}: {m}",
+            )

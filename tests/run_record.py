@@ -24,7 +24,9 @@ from lm_systems.optim import adamw_param_groups
 
 def _full_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """The LightningModule's whole state dict, as a checkpoint holds it (a collective under zero3: every rank asks)."""
-    return {name: value.detach().cpu().clone() for name, value in trainer.strategy.lightning_module_state_dict().items()}
+    return {
+        name: value.detach().cpu().clone() for name, value in trainer.strategy.lightning_module_state_dict().items()
+    }
 
 
 class RecordRun(L.Callback):
@@ -48,7 +50,9 @@ class RecordRun(L.Callback):
             "config": asdict(pl_module.config),
         }
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.record["batches"].append(batch.detach().cpu().clone())
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -88,11 +92,13 @@ def replay(records: list[dict[str, Any]]) -> dict[str, Any]:
     # The plain path the run's options must match: every activation kept, the logits whole, their cross-entropy below.
     model = TransformerLM(ModelConfig(**{**first["config"], "activation_checkpointing": "none", "fused_loss": False}))
     model.load_state_dict({name.removeprefix("model."): value for name, value in first["initial"].items()})
-    optimizer = torch.optim.AdamW(adamw_param_groups(model, hparams["weight_decay"]), lr=hparams["lr"],
-                                  betas=tuple(hparams["betas"]))
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(model, hparams["weight_decay"]), lr=hparams["lr"], betas=tuple(hparams["betas"])
+    )
     decay_steps = hparams["decay_steps"] or steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: expected_lr_factor(step, hparams["warmup_steps"], decay_steps, hparams["min_lr_ratio"]))
+        optimizer, lambda step: expected_lr_factor(step, hparams["warmup_steps"], decay_steps, hparams["min_lr_ratio"])
+    )
     clip = first["clip"] or float("inf")
     grad_norms = []
     for step in range(steps):
@@ -104,5 +110,8 @@ def replay(records: list[dict[str, Any]]) -> dict[str, Any]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    return {"state_dict": {f"model.{name}": value for name, value in model.state_dict().items()},
-            "optimizer": optimizer.state_dict(), "grad_norms": grad_norms}
+    return {
+        "state_dict": {f"model.{name}": value for name, value in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "grad_norms": grad_norms,
+    }

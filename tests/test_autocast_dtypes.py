@@ -23,22 +23,32 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("device, low", [
-    ("cpu", torch.bfloat16),
-    pytest.param("cuda", torch.float16, marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu),
-])
+@pytest.mark.parametrize(
+    "device, low",
+    [
+        ("cpu", torch.bfloat16),
+        pytest.param("cuda", torch.float16, marks=pytest.mark.gpu),
+        pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu),
+    ],
+)
 @pytest.mark.parametrize("attention", ["naive", "sdpa"])
 def test_autocast_keeps_the_residual_stream_parameters_and_gradients_in_fp32(device, low, attention):
     config = ModelConfig.from_name("tiny", vocab_size=61, context_length=16, num_layers=2, attention=attention)
     model = TransformerLM(config).to(device)
     blocks = list(model.blocks)
-    watched = {"embedding": [model.embedding], "final_norm": [model.final_norm], "lm_head": [model.lm_head],
-               "block": blocks, **{name: [getattr(b, name) for b in blocks] for name in
-                                   ("attn_norm", "attn", "ffn_norm", "ffn")}}
+    watched = {
+        "embedding": [model.embedding],
+        "final_norm": [model.final_norm],
+        "lm_head": [model.lm_head],
+        "block": blocks,
+        **{name: [getattr(b, name) for b in blocks] for name in ("attn_norm", "attn", "ffn_norm", "ffn")},
+    }
     seen: dict[str, list[torch.dtype]] = {name: [] for name in watched}
-    hooks = [module.register_forward_hook(lambda _m, _i, out, name=name: seen[name].append(out.dtype))
-             for name, modules in watched.items() for module in modules]
+    hooks = [
+        module.register_forward_hook(lambda _m, _i, out, name=name: seen[name].append(out.dtype))
+        for name, modules in watched.items()
+        for module in modules
+    ]
     tokens = torch.randint(0, 61, (2, 17), device=device)
 
     with torch.autocast(device, dtype=low):

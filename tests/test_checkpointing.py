@@ -27,8 +27,16 @@ class TinyLM(LitLM):
     """A one-layer LitLM on random token windows, which it brings itself (no datamodule, no tokenizer)."""
 
     def __init__(self) -> None:
-        super().__init__(size="tiny", vocab_size=32, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=32,
-                         sample_prompt="")
+        super().__init__(
+            size="tiny",
+            vocab_size=32,
+            context_length=8,
+            d_model=16,
+            num_layers=1,
+            num_heads=2,
+            d_ff=32,
+            sample_prompt="",
+        )
 
     def train_dataloader(self):
         tokens = torch.randint(0, 32, (256, 9), generator=torch.Generator().manual_seed(0))  # (B, T + 1) windows
@@ -57,8 +65,13 @@ def fail(module: L.LightningModule) -> None:
 
 def fit(tmp_path: Path, max_steps: int, interval: int, callbacks: tuple[L.Callback, ...] = ()) -> L.Trainer:
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[*callbacks, StepCheckpoint(interval, dirpath=str(tmp_path)), CrashCheckpoint()], plugins=[SafeCheckpointIO()],
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, StepCheckpoint(interval, dirpath=str(tmp_path)), CrashCheckpoint()],
+        plugins=[SafeCheckpointIO()],
     )
     trainer.fit(TinyLM())
     return trainer
@@ -119,7 +132,9 @@ def test_an_exception_saves_crash_ckpt_and_keeps_last(tmp_path):
 def test_an_exception_after_divergence_writes_no_crash_ckpt(tmp_path):
     with pytest.warns(UserWarning, match=r"could not save .*crash\.ckpt.*not finite.*step 3"):
         with pytest.raises(RuntimeError, match="planted failure"):
-            fit(tmp_path, max_steps=8, interval=2, callbacks=(AtStep(3, lambda module: (poison(module), fail(module))),))
+            fit(
+                tmp_path, max_steps=8, interval=2, callbacks=(AtStep(3, lambda module: (poison(module), fail(module))),)
+            )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"]
 
 
@@ -150,7 +165,9 @@ def test_a_kill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path):
     path = tmp_path / "last.ckpt"
     repo = Path(__file__).resolve().parents[1]
     for delay in (0.0, 0.03, 0.07, 0.15):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], cwd=repo, stdout=subprocess.PIPE, text=True)
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path)], cwd=repo, stdout=subprocess.PIPE, text=True
+        )
         saved = int(writer.stdout.readline())  # the first save is complete
         time.sleep(delay)
         writer.send_signal(signal.SIGKILL)

@@ -12,9 +12,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from callbacks import StepsProgressBar
 from callbacks.progress import StepsTQDMProgressBar
-from train import main
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.lit_module import LitLM
+from train import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,20 +27,50 @@ def in_tmp(tmp_path, monkeypatch):
 @pytest.fixture
 def fast(tiny_args) -> list[str]:
     """A tiny run that logs every step and ends with a short sample; no progress bar."""
-    return [*tiny_args, "--model.sample_prompt", "Once upon a time", "--model.sample_tokens", "8",
-            "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false"]
+    return [
+        *tiny_args,
+        "--model.sample_prompt",
+        "Once upon a time",
+        "--model.sample_tokens",
+        "8",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
 
 
 def test_help_lists_the_short_flags(tmp_path, train_py):
     env = train_py.environment(XDG_CACHE_HOME=str(tmp_path))  # the help cache (lm_systems.help_cache) stays in tmp
     out = train_py.run_ok("--help", cwd=REPO, env=env).stdout
-    for flag in ("--strategy", "--precision", "--devices", "--max_steps", "--checkpointing_interval", "--model.size", "--data.corpus", "--ckpt_path"):
+    for flag in (
+        "--strategy",
+        "--precision",
+        "--devices",
+        "--max_steps",
+        "--checkpointing_interval",
+        "--model.size",
+        "--data.corpus",
+        "--ckpt_path",
+    ):
         assert flag in out
 
 
 @pytest.mark.slow
 def test_short_run_logs_to_tensorboard_checkpoints_and_resumes(tmp_path, capsys, assert_same_training_state, fast):
-    cli = main([*fast, "--max_steps", "6", "--trainer.val_check_interval", "3", "--checkpointing_interval", "4", "--precision", "bf16-mixed"])
+    cli = main(
+        [
+            *fast,
+            "--max_steps",
+            "6",
+            "--trainer.val_check_interval",
+            "3",
+            "--checkpointing_interval",
+            "4",
+            "--precision",
+            "bf16-mixed",
+        ]
+    )
     assert cli.trainer.global_step == 6 and cli.trainer.precision == "bf16-mixed"
     log_dir = Path(cli.trainer.logger.log_dir)
     events = EventAccumulator(str(log_dir)).Reload()
@@ -52,19 +82,43 @@ def test_short_run_logs_to_tensorboard_checkpoints_and_resumes(tmp_path, capsys,
     assert "Sample after 6 steps" in capsys.readouterr().out
 
     # Resumed from step 4 (validation at step 5 again): step 6 as the uninterrupted run left it, bit for bit.
-    resumed = main([*fast, "--max_steps", "6", "--trainer.val_check_interval", "3", "--precision", "bf16-mixed",
-                    "--ckpt_path", str(log_dir / "checkpoints" / "step=4.ckpt")])
+    resumed = main(
+        [
+            *fast,
+            "--max_steps",
+            "6",
+            "--trainer.val_check_interval",
+            "3",
+            "--precision",
+            "bf16-mixed",
+            "--ckpt_path",
+            str(log_dir / "checkpoints" / "step=4.ckpt"),
+        ]
+    )
     resumed_dir = Path(resumed.trainer.logger.log_dir)
     assert resumed_dir != log_dir and resumed.trainer.global_step == 6
     load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
-    assert_same_training_state(load(resumed_dir / "checkpoints" / "step=6.ckpt"), load(log_dir / "checkpoints" / "step=6.ckpt"))
+    assert_same_training_state(
+        load(resumed_dir / "checkpoints" / "step=6.ckpt"), load(log_dir / "checkpoints" / "step=6.ckpt")
+    )
 
 
 @pytest.mark.slow
 def test_no_logger_leaves_no_files_behind(tmp_path, tiny_args):
     """Lightning wrote LightningCLI's config.yaml into the working directory when there was no log folder."""
-    cli = main([*tiny_args, "--max_steps", "2", "--trainer.logger", "false", "--data.val_batches", "2",
-                "--trainer.enable_progress_bar", "false"])
+    cli = main(
+        [
+            *tiny_args,
+            "--max_steps",
+            "2",
+            "--trainer.logger",
+            "false",
+            "--data.val_batches",
+            "2",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     assert cli.trainer.global_step == 2
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]  # the data cache is the session's
     assert cli.trainer.num_val_batches == [2]  # the validation bar's total: it read "0/?"
@@ -77,7 +131,9 @@ def test_config_file_and_print_config(capsys):
     assert "size: small" in out and "max_steps: 5000" in out and "precision: bf16-mixed" in out
 
 
-@pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO / "configs")) for p in (REPO / "configs").rglob("*.yaml")))
+@pytest.mark.parametrize(
+    "config", sorted(str(p.relative_to(REPO / "configs")) for p in (REPO / "configs").rglob("*.yaml"))
+)
 def test_every_shipped_config_parses(config, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["-c", str(REPO / "configs" / config), "--print_config"])
@@ -128,7 +184,14 @@ def test_train_py_uses_the_steps_progress_bar(rich, bar, fast, monkeypatch, caps
 
 
 PROFILING_CALLBACKS = {"StepTimer", "MFUMonitor", "MemorySnapshot", "NVTXRanges"}
-PROFILING_ARGS = ["-c", str(REPO / "configs/profiling.yaml"), "--trainer.accelerator", "cpu", "--trainer.logger", "false"]
+PROFILING_ARGS = [
+    "-c",
+    str(REPO / "configs/profiling.yaml"),
+    "--trainer.accelerator",
+    "cpu",
+    "--trainer.logger",
+    "false",
+]
 
 
 def test_profiling_config_builds_every_callback_and_the_profiler():
@@ -141,7 +204,9 @@ def test_profiling_config_builds_every_callback_and_the_profiler():
 def test_train_py_keeps_the_configured_callbacks(monkeypatch):
     monkeypatch.setattr(L.Trainer, "fit", lambda *args, **kwargs: None)  # build everything, train nothing
     cli = main(["fit", *PROFILING_ARGS])
-    assert PROFILING_CALLBACKS | {"StepCheckpoint", "CrashCheckpoint", "GCFreeze"} <= {type(c).__name__ for c in cli.trainer.callbacks}
+    assert PROFILING_CALLBACKS | {"StepCheckpoint", "CrashCheckpoint", "GCFreeze"} <= {
+        type(c).__name__ for c in cli.trainer.callbacks
+    }
 
 
 def test_the_cli_lists_the_strategy_names_handed_in_first():

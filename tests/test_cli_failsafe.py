@@ -17,8 +17,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
 from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
-from train import main
 from lm_systems.run_logger import RunLogger
+from train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
 NO_VALIDATION = ["--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false"]
@@ -43,6 +43,7 @@ def usage_error(fast, capsys):
             main([*fast, *args])
         assert exit_.value.code == 2
         return capsys.readouterr().err.strip().splitlines()[-1]
+
     return last_line
 
 
@@ -57,7 +58,10 @@ def write_checkpoint(path: Path) -> Path:
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "is not a readable PyTorch checkpoint (truncated"),
+        (
+            lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+            "is not a readable PyTorch checkpoint (truncated",
+        ),
         (lambda p: p.write_bytes(b"\x00" * 64), "is not a readable PyTorch checkpoint"),
         (lambda p: (p.unlink(), p.mkdir()), "is a folder, not a checkpoint file"),
         (lambda p: p.unlink(), "does not exist"),
@@ -103,8 +107,9 @@ def test_the_user_sees_no_traceback(tmp_path, train_py):
 def test_a_signal_saves_crash_ckpt_and_exits_128_plus_its_number(tmp_path, signum, train_py):
     """SIGTERM exits 143 and Ctrl-C 130 (Lightning's own exit status for Ctrl-C is 1)."""
     checkpoints = tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints"
-    with train_py.start(*train_py.tiny, *NO_VALIDATION, "--max_steps", "100000", "--checkpointing_interval", "1",
-                        cwd=tmp_path) as run:  # killed on the way out if the test fails before it stops
+    with train_py.start(
+        *train_py.tiny, *NO_VALIDATION, "--max_steps", "100000", "--checkpointing_interval", "1", cwd=tmp_path
+    ) as run:  # killed on the way out if the test fails before it stops
         deadline = time.monotonic() + 240
         while not (checkpoints / "step=1.ckpt").exists():
             assert run.poll() is None and time.monotonic() < deadline, "no step=1.ckpt"
@@ -118,8 +123,17 @@ def test_a_signal_saves_crash_ckpt_and_exits_128_plus_its_number(tmp_path, signu
 
 
 def test_a_default_run_prints_no_avoidable_warning_or_tip(tmp_path, train_py):
-    done = train_py.run_ok(*train_py.tiny, *NO_VALIDATION, "--max_steps", "2", "--model.sample_prompt", "Once upon a time",
-                           "--model.sample_tokens", "4", cwd=tmp_path)
+    done = train_py.run_ok(
+        *train_py.tiny,
+        *NO_VALIDATION,
+        "--max_steps",
+        "2",
+        "--model.sample_prompt",
+        "Once upon a time",
+        "--model.sample_tokens",
+        "4",
+        cwd=tmp_path,
+    )
     out, err = done.stdout, done.stderr
     for text in ("Warning", "warn", "Tip", "weights_only", "deprecated"):
         assert text not in out + err, (text, out + err)
@@ -129,12 +143,23 @@ def test_a_default_run_prints_no_avoidable_warning_or_tip(tmp_path, train_py):
 
 def test_a_diverging_run_stops_non_zero_and_keeps_no_non_finite_checkpoint(tmp_path, train_py):
     """The issue's run: lr 1e6 turns the weights NaN within a few steps; the steps before are saved."""
-    run = train_py.run(*train_py.tiny, *NO_VALIDATION, "--model.lr", "1e6", "--max_steps", "40",
-                       "--checkpointing_interval", "1", cwd=tmp_path)
+    run = train_py.run(
+        *train_py.tiny,
+        *NO_VALIDATION,
+        "--model.lr",
+        "1e6",
+        "--max_steps",
+        "40",
+        "--checkpointing_interval",
+        "1",
+        cwd=tmp_path,
+    )
     err = run.stderr
     assert run.returncode != 0
     assert "--model.lr" in err and "--trainer.gradient_clip_val" in err, err[-3000:]
-    assert "Traceback" not in err and "could not save" not in err, err[-3000:]  # no crash.ckpt of diverged weights tried
+    assert "Traceback" not in err and "could not save" not in err, err[
+        -3000:
+    ]  # no crash.ckpt of diverged weights tried
     saved = list(tmp_path.rglob("*.ckpt"))
     assert any(path.name == "last.ckpt" for path in saved) and len(saved) >= 2
     for path in saved:
@@ -156,9 +181,14 @@ def test_loggers_racing_for_one_folder_claim_distinct_versions(tmp_path, monkeyp
 def test_two_runs_started_together_write_separate_folders(tmp_path, fast, train_py):
     main([*fast, "--max_steps", "1", "--trainer.enable_progress_bar", "false"])  # builds the shared data cache
     with ExitStack() as running:
-        runs = [running.enter_context(train_py.start(*train_py.tiny, *NO_VALIDATION, "--max_steps", "1",
-                                                     "--seed_everything", str(seed), cwd=tmp_path))
-                for seed in (1, 2)]
+        runs = [
+            running.enter_context(
+                train_py.start(
+                    *train_py.tiny, *NO_VALIDATION, "--max_steps", "1", "--seed_everything", str(seed), cwd=tmp_path
+                )
+            )
+            for seed in (1, 2)
+        ]
         for run in runs:
             out, err = run.communicate(timeout=300)
             assert run.returncode == 0, err
@@ -180,8 +210,17 @@ def test_default_root_dir_moves_the_runs(tmp_path, monkeypatch, fast):
 def test_resume_into_run_continues_the_folder_and_the_bar_total(tmp_path, fast):
     first = main([*fast, "--max_steps", "4", "--checkpointing_interval", "2", "--trainer.enable_progress_bar", "false"])
     run_dir = Path(first.trainer.logger.log_dir).resolve()
-    resumed = main([*fast, "--max_steps", "6", "--ckpt_path", str(run_dir / "checkpoints" / "step=2.ckpt"),
-                    "--resume_into_run", "true"])
+    resumed = main(
+        [
+            *fast,
+            "--max_steps",
+            "6",
+            "--ckpt_path",
+            str(run_dir / "checkpoints" / "step=2.ckpt"),
+            "--resume_into_run",
+            "true",
+        ]
+    )
     assert Path(resumed.trainer.logger.log_dir).resolve() == run_dir
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]
     assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == "step=6.ckpt"
@@ -200,8 +239,12 @@ def test_ckpt_path_last_resumes_the_newest_runs_last_ckpt(tmp_path, fast, assert
     newest = Path(newer.trainer.logger.log_dir) / "checkpoints" / "last.ckpt"
     by_name = main([*quiet, "--max_steps", "3", "--ckpt_path", "last"])
     by_path = main([*quiet, "--max_steps", "3", "--ckpt_path", str(newest)])
-    assert_same_training_state(*(torch.load(Path(cli.trainer.logger.log_dir) / "checkpoints" / "step=3.ckpt",
-                                            weights_only=False) for cli in (by_name, by_path)))
+    assert_same_training_state(
+        *(
+            torch.load(Path(cli.trainer.logger.log_dir) / "checkpoints" / "step=3.ckpt", weights_only=False)
+            for cli in (by_name, by_path)
+        )
+    )
 
 
 def test_ckpt_path_last_without_a_run_is_a_usage_error(tmp_path, usage_error):
@@ -219,8 +262,18 @@ def test_resume_into_run_needs_the_tensorboard_logger(tmp_path, usage_error):
     checkpoints = tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints"
     checkpoints.mkdir(parents=True)
     path = write_checkpoint(checkpoints / "step=2.ckpt")
-    line = usage_error(["--ckpt_path", str(path), "--resume_into_run", "true",
-                        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "logs"])
+    line = usage_error(
+        [
+            "--ckpt_path",
+            str(path),
+            "--resume_into_run",
+            "true",
+            "--trainer.logger",
+            "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.logger.save_dir",
+            "logs",
+        ]
+    )
     assert "--resume_into_run continues a TensorBoard run folder: leave --trainer.logger at its default" in line
 
 
@@ -232,6 +285,7 @@ def built_callbacks(monkeypatch, fast):
     def build(*args: str) -> list[L.Callback]:
         monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: None)  # build everything, train nothing
         return main([*fast, *args]).trainer.callbacks
+
     return build
 
 

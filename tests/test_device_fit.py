@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from train import main
 from lm_systems.config import ModelConfig
 from lm_systems.cpu_threads import TORCH_THREADS
 from lm_systems.device_fit import CPU_MAX_PARAMETERS
+from train import main
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
@@ -45,8 +45,16 @@ def test_the_sizes_straddle_the_cpu_limit():
 
 
 def test_a_gpu_config_on_a_cpu_is_warned_about_before_the_data(tmp_path):
-    said = built_warnings(["-c", str(REPO / "configs" / "small.yaml"), "--accelerator", "cpu",
-                           "--data.cache_dir", str(tmp_path / "cache")])
+    said = built_warnings(
+        [
+            "-c",
+            str(REPO / "configs" / "small.yaml"),
+            "--accelerator",
+            "cpu",
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+        ]
+    )
     expected = f"the model (--model.size small) has about {parameters('small') / 1e6:.0f}M parameters and trains on"
     assert any(message.startswith(expected) and "--accelerator gpu" in message for message in said), said
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache" / "tokens").glob("*"))

@@ -41,5 +41,6 @@ def test_relative_links_resolve(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO)))
 def test_benchmarks_are_named_as_they_run(page):
-    assert not re.search(r"lm_systems[./]bench\b", page.read_text(encoding="utf-8")), \
+    assert not re.search(r"lm_systems[./]bench\b", page.read_text(encoding="utf-8")), (
         f"{page.relative_to(REPO)} names lm_systems.bench: the runners are `python -m benchmarks.<name>`"
+    )

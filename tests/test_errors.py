@@ -11,13 +11,21 @@ import signal
 
 import pytest
 
-from train import main
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, os_error_in, write_error_message
+from train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
-QUIET = ["--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false",
-         "--trainer.enable_progress_bar", "false", "--max_steps", "1"]
+QUIET = [
+    "--trainer.limit_val_batches",
+    "0",
+    "--trainer.enable_model_summary",
+    "false",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--max_steps",
+    "1",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +53,7 @@ def one_line_error(args: list[str], capsys, status: int = 2) -> str:
     assert len(errors) == 1 and errors[0] == err.strip().splitlines()[-1], err
     return errors[0]
 
+
 BAD_BUCKET = "error: bucket_size_mb must be positive (or None to pick by the hosts), got -1.0 (strategy init_args."
 
 
@@ -54,8 +63,10 @@ BAD_BUCKET = "error: bucket_size_mb must be positive (or None to pick by the hos
         (["--devices", "-3"], "error: --devices (--trainer.devices) -3 is not a count > 0, -1 (all)"),
         (["--model.size", "huge"], "error: unknown model size 'huge' (set --model.size to one of: tiny, small"),
         (["--model.context_length", "0"], "error: --model.context_length must be positive, got 0"),
-        (["--trainer.strategy", "strategies.BucketedDDPStrategy", "--trainer.strategy.bucket_size_mb", "-1"],
-         BAD_BUCKET),
+        (
+            ["--trainer.strategy", "strategies.BucketedDDPStrategy", "--trainer.strategy.bucket_size_mb", "-1"],
+            BAD_BUCKET,
+        ),
         (["--strategy", "bucketed_ddp", "--trainer.strategy.bucket_size_mb", "-1"], BAD_BUCKET),
     ],
     ids=["devices", "size", "context", "bucket-class", "bucket-name"],
@@ -69,23 +80,42 @@ def test_a_strategy_name_takes_init_arguments(monkeypatch, fast):
         """Build everything, train nothing."""
 
     monkeypatch.setattr("lightning.pytorch.Trainer.fit", fit)
-    cli = main([*fast, "--strategy", "bucketed_ddp_spawn", "--trainer.strategy.bucket_size_mb", "5",
-                "--accelerator", "cpu", "--devices", "1"])
+    cli = main(
+        [
+            *fast,
+            "--strategy",
+            "bucketed_ddp_spawn",
+            "--trainer.strategy.bucket_size_mb",
+            "5",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "1",
+        ]
+    )
     strategy = cli.trainer.strategy
     assert type(strategy).__name__ == "BucketedDDPStrategy" and strategy._bucket_size_mb == 5
     assert strategy._start_method == "spawn"  # what the name was registered with
 
 
-@pytest.mark.parametrize("text, says", [("model:\n  lr: [1\n", "is not valid YAML at line 3, column 1: expected ','"),
-                                        ("- a\n- b\n", "holds a YAML list, not a mapping")])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("model:\n  lr: [1\n", "is not valid YAML at line 3, column 1: expected ','"),
+        ("- a\n- b\n", "holds a YAML list, not a mapping"),
+    ],
+)
 def test_a_bad_config_file_is_named(tmp_path, capsys, text, says, fast):
     (tmp_path / "mine.yaml").write_text(text)
     line = one_line_error([*fast, "-c", "mine.yaml"], capsys)
     assert line.startswith(f"error: -c 'mine.yaml' {says}"), line
 
 
-@pytest.mark.parametrize("content", [b"one short line\n", b"caf\xe9 au lait\n", bytes(range(256)) * 4],
-                         ids=["shorter-than-context", "latin-1", "binary"])
+@pytest.mark.parametrize(
+    "content",
+    [b"one short line\n", b"caf\xe9 au lait\n", bytes(range(256)) * 4],
+    ids=["shorter-than-context", "latin-1", "binary"],
+)
 def test_a_bad_corpus_is_one_line(tmp_path, capsys, fast, content):
     (tmp_path / "corpus.txt").write_bytes(content)
     line = one_line_error([*fast, "--data.corpus", "corpus.txt"], capsys)
@@ -139,8 +169,9 @@ def test_a_cache_disk_filling_up_while_tokenizing_names_the_file_and_its_disk(tm
     with files_limited_to(8_000):
         line = one_line_error([*tiny_args, *QUIET, "--data.cache_dir", str(cache)], capsys, status=1)
     work = prepared.token_splits.directory
-    assert re.match(rf"error: cannot write '{re.escape(str(work))}/work-[0-9a-f]{{8}}/train.arrow': File too large \(",
-                    line), line
+    assert re.match(
+        rf"error: cannot write '{re.escape(str(work))}/work-[0-9a-f]{{8}}/train.arrow': File too large \(", line
+    ), line
     assert "B free on its filesystem)" in line, line  # of the named file's (write_error_message)
 
 
@@ -167,18 +198,33 @@ def no_interpreter(monkeypatch):
     [
         (["--trainer.default_root_dir", "/proc/x"], "error: --trainer.default_root_dir '/proc/x' cannot be made ("),
         (["--data.cache_dir", "/proc/x"], "error: --data.cache_dir '/proc/x' cannot be made ("),
-        (["--accumulate_grad_batches", "0"], "error: --accumulate_grad_batches (--trainer.accumulate_grad_batches) 0 "
-                                             "must be > 0"),
-        (["--trainer.accumulate_grad_batches", "-2"], "error: --accumulate_grad_batches (--trainer.accumulate_grad_"
-                                                      "batches) -2 must be > 0"),
+        (
+            ["--accumulate_grad_batches", "0"],
+            "error: --accumulate_grad_batches (--trainer.accumulate_grad_batches) 0 must be > 0",
+        ),
+        (
+            ["--trainer.accumulate_grad_batches", "-2"],
+            "error: --accumulate_grad_batches (--trainer.accumulate_grad_batches) -2 must be > 0",
+        ),
         (["--trainer.val_check_interval", "0"], "error: --trainer.val_check_interval 0 must be > 0"),
         (["--trainer.val_check_interval", "0.0"], "error: --trainer.val_check_interval 0.0 must be > 0"),
         (["--devices", "abc"], "error: --devices (--trainer.devices) 'abc' is not a count > 0, -1 (all), 'auto'"),
-        (["--model.attention", "flash_triton", "--accelerator", "cpu"],
-         "error: --model.attention flash_triton cannot run on --accelerator cpu (cpu): its Triton kernels need a CUDA"),
+        (
+            ["--model.attention", "flash_triton", "--accelerator", "cpu"],
+            "error: --model.attention flash_triton cannot run on --accelerator cpu (cpu): its Triton kernels need "
+            "a CUDA",
+        ),
     ],
-    ids=["root-dir", "cache-dir", "accumulate", "accumulate-negative", "val-interval", "val-interval-float",
-         "devices", "flash-triton-on-cpu"],
+    ids=[
+        "root-dir",
+        "cache-dir",
+        "accumulate",
+        "accumulate-negative",
+        "val-interval",
+        "val-interval-float",
+        "devices",
+        "flash-triton-on-cpu",
+    ],
 )
 def test_bad_values_stop_before_the_data_is_prepared(args, says, capsys, tiny_args, tmp_path, no_interpreter):
     cache = tmp_path / "fresh_cache"

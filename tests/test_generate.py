@@ -1,4 +1,5 @@
-"""Generation from a training checkpoint: LitLM.load_from_checkpoint rebuilds the trained model; unreadable files name --ckpt."""
+"""Generation from a training checkpoint: LitLM.load_from_checkpoint rebuilds the trained model; unreadable files
+name --ckpt."""
 
 import os
 from pathlib import Path
@@ -6,14 +7,13 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
+from environment import environment_kept
 
 from lm_systems.checkpoint_io import SafeCheckpointIO
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.generate import load_checkpoint, main, newest_run_checkpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.sampling import sample_text
-
-from environment import environment_kept
 
 SMALL_MODEL = dict(size="tiny", d_model=32, num_layers=2, num_heads=2, d_ff=64, context_length=16, sample_prompt="")
 
@@ -25,11 +25,19 @@ def trained(tmp_path_factory) -> tuple[LitLM, LMDataModule, Path]:
     with environment_kept():
         L.seed_everything(0)
         lit = LitLM(**SMALL_MODEL, warmup_steps=1)
-        data = LMDataModule(cache_dir=str(root / "data"), generated_stories=300, vocab_size=300, context_length=16,
-                            batch_size=2)
-        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            plugins=[SafeCheckpointIO()])
+        data = LMDataModule(
+            cache_dir=str(root / "data"), generated_stories=300, vocab_size=300, context_length=16, batch_size=2
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            plugins=[SafeCheckpointIO()],
+        )
         trainer.fit(lit, datamodule=data)
     path = root / "trained.ckpt"
     trainer.save_checkpoint(path)
@@ -62,8 +70,22 @@ def test_the_model_is_loaded_onto_the_chosen_device(trained):
 
 def test_the_command_line_samples_from_the_checkpoint(trained, capsys, greedy_text):
     lit, data, path = trained
-    main(["--ckpt", str(path), "--prompt", "Once upon a time", "--max_new_tokens", "3", "--num_samples", "2",
-          "--temperature", "0", "--device", "cpu"])
+    main(
+        [
+            "--ckpt",
+            str(path),
+            "--prompt",
+            "Once upon a time",
+            "--max_new_tokens",
+            "3",
+            "--num_samples",
+            "2",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+        ]
+    )
     expected = greedy_text(lit.model, data.tokenizer, "Once upon a time", max_new_tokens=3)
     assert capsys.readouterr().out == f"--- sample 1 ---\n{expected}\n--- sample 2 ---\n{expected}\n"
 
@@ -80,7 +102,9 @@ def test_unreadable_or_foreign_checkpoints_name_the_flag(tmp_path):
     unreadable = tmp_path / "unreadable.ckpt"
     torch.save({}, unreadable)
     unreadable.chmod(0)
-    with pytest.MonkeyPatch.context() as patch:  # root (CI's user) reads any file: its access check answers as for others
+    with (
+        pytest.MonkeyPatch.context() as patch
+    ):  # root (CI's user) reads any file: its access check answers as for others
         patch.setattr(os, "access", lambda path, mode: os.stat(path).st_mode & 0o444 != 0)
         with pytest.raises(PermissionError, match="--ckpt .* cannot be read \\(permission denied\\)"):
             load_checkpoint(unreadable)
@@ -108,8 +132,11 @@ def test_the_command_line_reports_a_bad_checkpoint_in_one_line(tmp_path, capsys)
         (["--top_p", "1.5"], "argument --top_p: must be in (0, 1], got 1.5"),
         (["--prompt", ""], "--prompt is empty: give some text to continue"),
         (["--device", "gpu7"], "--device 'gpu7' is not a device (cpu, cuda, cuda:1, ...)"),
-        pytest.param(["--device", "cuda"], "--device 'cuda': no CUDA device is available here; pass --device cpu",
-                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device 'cuda': no CUDA device is available here; pass --device cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"),
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(trained, capsys, args, says):

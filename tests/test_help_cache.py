@@ -16,8 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _help(tmp_path: Path, *python_flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "COLUMNS": "100"}
-    return subprocess.run([sys.executable, *python_flags, str(REPO / "train.py"), "--help"], capture_output=True,
-                          text=True, cwd=REPO, env=env, timeout=300, check=True)
+    return subprocess.run(
+        [sys.executable, *python_flags, str(REPO / "train.py"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+        check=True,
+    )
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node], _ = "open", path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         state[node], _ = "done", path.pop()
@@ -87,8 +87,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_package_imports_one_built_on_top_of_it(package):
-    above = {there for here, edges in folder_graph().items() if here.split(".")[0] == package for there in edges
-             if there.split(".")[0] in FORBIDDEN[package]}
+    above = {
+        there
+        for here, edges in folder_graph().items()
+        if here.split(".")[0] == package
+        for there in edges
+        if there.split(".")[0] in FORBIDDEN[package]
+    }
     assert not above, f"{package} imports {sorted(above)}: hand them in from train.py instead"
 
 

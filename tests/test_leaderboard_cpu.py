@@ -9,17 +9,45 @@ import re
 
 import pytest
 import torch
-
 from environment import environment_kept
-from train import main
-from lm_systems.recompute import RECOMPUTE_POLICIES
 
-EIGHT_B_SHAPED = ["--model.size", "8b", "--model.d_model", "64", "--model.num_heads", "4", "--model.d_ff", "172",
-                  "--model.num_layers", "2", "--model.context_length", "32", "--data.vocab_size", "2374",
-                  "--data.synthetic", "true", "--data.batch_size", "2", "--data.val_batches", "1",
-                  "--max_steps", "3", "--model.warmup_steps", "1", "--model.sample_prompt", "",
-                  "--trainer.val_check_interval", "3", "--trainer.logger", "false",
-                  "--trainer.enable_progress_bar", "false"]
+from lm_systems.recompute import RECOMPUTE_POLICIES
+from train import main
+
+EIGHT_B_SHAPED = [
+    "--model.size",
+    "8b",
+    "--model.d_model",
+    "64",
+    "--model.num_heads",
+    "4",
+    "--model.d_ff",
+    "172",
+    "--model.num_layers",
+    "2",
+    "--model.context_length",
+    "32",
+    "--data.vocab_size",
+    "2374",
+    "--data.synthetic",
+    "true",
+    "--data.batch_size",
+    "2",
+    "--data.val_batches",
+    "1",
+    "--max_steps",
+    "3",
+    "--model.warmup_steps",
+    "1",
+    "--model.sample_prompt",
+    "",
+    "--trainer.val_check_interval",
+    "3",
+    "--trainer.logger",
+    "false",
+    "--trainer.enable_progress_bar",
+    "false",
+]
 
 
 def _final_weights(tmp_path, name: str, *flags: str) -> dict[str, torch.Tensor]:
@@ -32,8 +60,14 @@ def _final_weights(tmp_path, name: str, *flags: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> dict[str, torch.Tensor]:
     with environment_kept():
-        return _final_weights(tmp_path_factory.mktemp("plain"), "plain", "--model.activation_checkpointing", "none",
-                              "--model.fused_loss", "false")
+        return _final_weights(
+            tmp_path_factory.mktemp("plain"),
+            "plain",
+            "--model.activation_checkpointing",
+            "none",
+            "--model.fused_loss",
+            "false",
+        )
 
 
 @pytest.mark.slow
@@ -49,8 +83,17 @@ def test_every_policy_with_the_fused_loss_trains_to_the_plain_paths_weights(poli
 
 @pytest.mark.slow
 def test_synthetic_tokens_start_at_the_loss_of_knowing_nothing(tmp_path, capsys):
-    main([*EIGHT_B_SHAPED, "--trainer.default_root_dir", str(tmp_path), "--max_steps", "1",
-          "--trainer.log_every_n_steps", "1"])
+    main(
+        [
+            *EIGHT_B_SHAPED,
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--max_steps",
+            "1",
+            "--trainer.log_every_n_steps",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     loss = float(re.search(r"^loss +train (\d+\.\d+)", out, re.MULTILINE)[1])
     assert math.log(2374) - 0.05 < loss < math.log(2374) + 0.5  # uniform targets: ln V at best, on average

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_train_py_gpu import logged
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "leaderboard_8b.yaml"
@@ -31,7 +30,7 @@ def test_the_leaderboard_step_trains_on_two_gpus_and_fits_80_gb(train_py, tmp_pa
     # Uniform random targets: the expected loss of any prediction is at least ln V; at initialisation the logits are
     # small (the head's init), so the first loss is ln V plus half their variance.
     assert math.log(VOCAB) - 0.05 < losses[0] < math.log(VOCAB) + 0.5, losses
-    summary = done.stdout[done.stdout.rindex("\nfinished "):]
+    summary = done.stdout[done.stdout.rindex("\nfinished ") :]
     assert re.search(r"^speed +[\d,]+ tokens/s, [\d.]+ s a step", summary, re.MULTILINE), summary
     assert re.search(r"^MFU +\d+\.\d% of", summary, re.MULTILINE), summary
     peak = float(re.search(r"^memory +([\d.]+) GiB", summary, re.MULTILINE)[1])

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import lightning.pytorch as L
 import pytest
 import torch
+from schedule_reference import expected_lr_factor
 from torch.utils.data import DataLoader
 
 from lm_systems.checkpoint_io import SafeCheckpointIO
@@ -17,26 +18,35 @@ from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.generate import load_checkpoint
 from lm_systems.lit_module import LitLM
-from lm_systems.run_description import run_hyperparameters
 from lm_systems.model import TransformerLM
+from lm_systems.run_description import run_hyperparameters
 from lm_systems.sampling import sample_text
 
-from schedule_reference import expected_lr_factor
-
-SMALL_MODEL = dict(size="tiny", d_model=64, num_layers=2, num_heads=2, d_ff=192, context_length=32, warmup_steps=5, sample_prompt="")
+SMALL_MODEL = dict(
+    size="tiny", d_model=64, num_layers=2, num_heads=2, d_ff=192, context_length=32, warmup_steps=5, sample_prompt=""
+)
 
 
 def datamodule(cache_dir: Path, **overrides) -> LMDataModule:
-    kwargs = dict(cache_dir=str(cache_dir), generated_stories=2000, vocab_size=512, context_length=32, batch_size=8, val_batches=4)
+    kwargs = dict(
+        cache_dir=str(cache_dir), generated_stories=2000, vocab_size=512, context_length=32, batch_size=8, val_batches=4
+    )
     return LMDataModule(**{**kwargs, **overrides})
 
 
 def trainer(tmp_path: Path, max_steps: int, interval: int = 0, **kwargs) -> L.Trainer:
     defaults = dict(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, val_check_interval=max_steps,
-        check_val_every_n_epoch=None, gradient_clip_val=1.0,
-        callbacks=[StepCheckpoint(interval, dirpath=str(tmp_path / "ckpt")), CrashCheckpoint()], plugins=[SafeCheckpointIO()],
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=max_steps,
+        check_val_every_n_epoch=None,
+        gradient_clip_val=1.0,
+        callbacks=[StepCheckpoint(interval, dirpath=str(tmp_path / "ckpt")), CrashCheckpoint()],
+        plugins=[SafeCheckpointIO()],
     )
     return L.Trainer(**{**defaults, **kwargs})
 
@@ -58,8 +68,12 @@ def test_loss_is_the_cross_entropy_of_each_token_against_the_next():
         model.final_norm.weight.fill_(1.0)
         head = torch.eye(vocab, width).roll(1, dims=0) * 3.0 / math.sqrt(width)  # row v reads token v - 1
         model.lm_head.weight.copy_(head)
-    batch = torch.tensor([[0, 1, 2, 3, 0],   # 0→1, 1→2, 2→3 right; 3→0 wrong (guess 4)
-                          [2, 2, 4, 0, 1]])  # 2→2, 2→4 wrong (guess 3); 4→0, 0→1 right
+    batch = torch.tensor(
+        [
+            [0, 1, 2, 3, 0],  # 0→1, 1→2, 2→3 right; 3→0 wrong (guess 4)
+            [2, 2, 4, 0, 1],
+        ]
+    )  # 2→2, 2→4 wrong (guess 3); 4→0, 0→1 right
     right = math.log(1 + (vocab - 1) * math.exp(-3))  # −log(e³ / (e³ + 4))
     wrong = math.log(math.exp(3) + vocab - 1)  # −log(1 / (e³ + 4))
     # rel 1e-4: the norms' eps (1e-5) scales the margin by 1/sqrt(1 + 1e-5), about 5e-6 of the loss.
@@ -80,9 +94,12 @@ def test_training_on_the_embedded_corpus_lowers_validation_loss(cache_dir, tmp_p
 
 
 @pytest.mark.slow
-def test_resume_continues_at_the_same_step_learning_rate_and_data_position(cache_dir, tmp_path, assert_same_training_state):
+def test_resume_continues_at_the_same_step_learning_rate_and_data_position(
+    cache_dir, tmp_path, assert_same_training_state
+):
     """Validating every 4 steps, stopped at 6 and resumed: step 12's checkpoint and validation loss are the
     uninterrupted run's, bit for bit."""
+
     def run(steps: int, ckpt_path=None, interval=0):
         L.seed_everything(0)
         model, data = LitLM(**SMALL_MODEL), datamodule(cache_dir)
@@ -113,13 +130,17 @@ def test_checkpoints_carry_the_model_config_and_tokenizer_for_generation(cache_d
     assert sample_text(model, tokenizer, "Once upon a time", max_new_tokens=5, temperature=0) == expected
     restored = LitLM.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
     assert restored.model.config == model.config
-    for (name, weight), restored_weight in zip(trained.model.state_dict().items(), restored.model.state_dict().values()):
+    for (name, weight), restored_weight in zip(
+        trained.model.state_dict().items(), restored.model.state_dict().values()
+    ):
         assert torch.equal(restored_weight, weight), name
 
 
 def test_model_vocab_smaller_than_the_tokenizer_names_the_flag(cache_dir, tmp_path):
     with pytest.raises(ValueError, match="--model.vocab_size"):
-        trainer(tmp_path, max_steps=1).fit(LitLM(**{**SMALL_MODEL, "vocab_size": 100}), datamodule=datamodule(cache_dir))
+        trainer(tmp_path, max_steps=1).fit(
+            LitLM(**{**SMALL_MODEL, "vocab_size": 100}), datamodule=datamodule(cache_dir)
+        )
 
 
 def test_data_windows_longer_than_the_model_context_name_the_flag(cache_dir, tmp_path):
@@ -137,16 +158,23 @@ def test_training_without_a_step_count_names_the_flag(cache_dir, tmp_path):
     """The cosine schedule decays over max_steps (or model.decay_steps): an epoch-bounded run has neither."""
     with pytest.raises(ValueError, match="the cosine schedule needs a length: set --max_steps"):
         trainer(tmp_path, max_steps=-1, max_epochs=1, val_check_interval=1.0, check_val_every_n_epoch=1).fit(
-            LitLM(**SMALL_MODEL), datamodule=datamodule(cache_dir))
+            LitLM(**SMALL_MODEL), datamodule=datamodule(cache_dir)
+        )
 
 
 def test_clipping_by_value_names_the_flag(cache_dir, tmp_path):
-    with pytest.raises(ValueError, match="only clipping by norm is supported, got --trainer.gradient_clip_algorithm value"):
+    with pytest.raises(
+        ValueError, match="only clipping by norm is supported, got --trainer.gradient_clip_algorithm value"
+    ):
         trainer(tmp_path, max_steps=1, limit_val_batches=0, gradient_clip_algorithm="value").fit(
-            LitLM(**SMALL_MODEL), datamodule=datamodule(cache_dir))
+            LitLM(**SMALL_MODEL), datamodule=datamodule(cache_dir)
+        )
 
 
-@pytest.mark.parametrize("kwargs, key", [({"size": "huge"}, "--model.size"), ({"attention": "flash9"}, "--model.attention"), ({"lr": 0}, "model.lr")])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [({"size": "huge"}, "--model.size"), ({"attention": "flash9"}, "--model.attention"), ({"lr": 0}, "model.lr")],
+)
 def test_bad_model_arguments_fail_at_construction(kwargs, key):
     with pytest.raises(ValueError, match=key):
         LitLM(**{**SMALL_MODEL, **kwargs})
@@ -168,16 +196,24 @@ def test_compile_happens_once_across_stages(cache_dir, tmp_path, monkeypatch):
     assert calls == [("whole", model.model)]
 
 
-@pytest.mark.parametrize("devices, compile, compiled", [(1, True, "whole"), (2, True, "blocks"), (1, "blocks", "blocks"),
-                                                        (2, "model", "whole")])
+@pytest.mark.parametrize(
+    "devices, compile, compiled",
+    [(1, True, "whole"), (2, True, "blocks"), (1, "blocks", "blocks"), (2, "model", "whole")],
+)
 def test_compile_is_per_block_only_across_processes_unless_named(devices, compile, compiled, monkeypatch):
     """Across processes the strategies overlap each block's gradient communication with backward, which needs each
     block's backward to be a node of its own; in one process the whole model compiles into one graph. A named
     choice holds everywhere."""
     calls = _record_compiles(monkeypatch)
     lit = LitLM(**SMALL_MODEL, vocab_size=100, compile=compile)
-    lit.trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
-                            logger=False, enable_progress_bar=False, enable_model_summary=False)
+    lit.trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp_spawn" if devices > 1 else "auto",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     lit.configure_model()
     assert calls == [(compiled, lit.model)]
 
@@ -189,8 +225,13 @@ def test_compile_buckets_compiles_the_runs_of_blocks_that_share_a_bucket(bucket_
     calls = []
     monkeypatch.setattr(TransformerLM, "compile_blocks", lambda self, runs=None, **k: calls.append(runs))
     lit = LitLM(**SMALL_MODEL, vocab_size=100, compile="buckets")
-    lit.trainer = L.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
-                            strategy=BucketedDDPStrategy(bucket_size_mb=bucket_size_mb, start_method="spawn"))
+    lit.trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        strategy=BucketedDDPStrategy(bucket_size_mb=bucket_size_mb, start_method="spawn"),
+    )
     lit.configure_model()
     assert calls == [runs]  # one bucket: both blocks in one graph; a bucket a parameter: a graph a block
 
@@ -241,8 +282,18 @@ def test_outside_a_trainer_an_unknown_vocabulary_names_the_flag():
 def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
     """So each one is settable from the command line (--model.<field>) and reaches the model: a value for every
     field, none of them tiny's, makes exactly that ModelConfig; unset ones keep the named size's."""
-    values = dict(vocab_size=123, context_length=48, d_model=96, num_layers=3, num_heads=3, d_ff=200,
-                  rope_theta=500.0, attention="naive", activation_checkpointing="blocks", fused_loss=False)
+    values = dict(
+        vocab_size=123,
+        context_length=48,
+        d_model=96,
+        num_layers=3,
+        num_heads=3,
+        d_ff=200,
+        rope_theta=500.0,
+        attention="naive",
+        activation_checkpointing="blocks",
+        fused_loss=False,
+    )
     assert set(values) == {f.name for f in fields(ModelConfig)}, "give the new ModelConfig field a value here"
     tiny = MODEL_SIZES["tiny"]
     assert all(getattr(tiny, name) != value for name, value in values.items())
@@ -250,19 +301,23 @@ def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
     assert lit.config == ModelConfig(**values)
     lit.configure_model()
     assert lit.model.config == lit.config
-    assert LitLM(size="xl", vocab_size=100, d_model=2000).config == replace(MODEL_SIZES["xl"], vocab_size=100, d_model=2000)
+    assert LitLM(size="xl", vocab_size=100, d_model=2000).config == replace(
+        MODEL_SIZES["xl"], vocab_size=100, d_model=2000
+    )
     with pytest.raises(AttributeError):
         lit.config = tiny  # read-only
 
 
-@pytest.mark.parametrize("devices, accumulate, batch_size, context", [(1, 1, 2, 16), (2, 1, 4, 32), (1, 4, 3, 8),
-                                                                      (3, 2, 5, 12)])
+@pytest.mark.parametrize(
+    "devices, accumulate, batch_size, context", [(1, 1, 2, 16), (2, 1, 4, 32), (1, 4, 3, 8), (3, 2, 5, 12)]
+)
 def test_tokens_per_step_counts_every_device_and_micro_batch(devices, accumulate, batch_size, context):
     """The hyperparameter TensorBoard shows: each optimizer step trains on batch × context tokens per micro-batch,
     ``accumulate`` micro-batches per device, on every device."""
     lit = LitLM(size="tiny", vocab_size=64, d_model=16, num_layers=1, num_heads=2, d_ff=32)
-    lit.trainer = SimpleNamespace(world_size=devices, accumulate_grad_batches=accumulate, max_steps=10,
-                                  precision="32-true", strategy=object())
+    lit.trainer = SimpleNamespace(
+        world_size=devices, accumulate_grad_batches=accumulate, max_steps=10, precision="32-true", strategy=object()
+    )
     hyperparameters = run_hyperparameters(lit.hparams, lit.config, lit.trainer, (batch_size, context), None)
     assert hyperparameters["tokens_per_step"] == devices * accumulate * batch_size * context
 
@@ -271,8 +326,17 @@ class RandomWindowsLM(LitLM):
     """A one-layer LitLM on random token windows, which it brings itself (no datamodule, no tokenizer)."""
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(size="tiny", vocab_size=32, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=32,
-                         sample_prompt="", **kwargs)
+        super().__init__(
+            size="tiny",
+            vocab_size=32,
+            context_length=8,
+            d_model=16,
+            num_layers=1,
+            num_heads=2,
+            d_ff=32,
+            sample_prompt="",
+            **kwargs,
+        )
 
     def train_dataloader(self):
         tokens = torch.randint(0, 32, (256, 9), generator=torch.Generator().manual_seed(0))  # (B, T + 1) windows
@@ -295,7 +359,15 @@ def test_each_optimizer_step_trains_at_the_schedules_rate(tmp_path, accumulate):
     written apart from the product (tests/schedule_reference.py), past the decay into the floor."""
     rates = StepRates()
     lit = RandomWindowsLM(lr=0.02, warmup_steps=3, decay_steps=9, min_lr_ratio=0.25)
-    L.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, accumulate_grad_batches=accumulate, callbacks=[rates]).fit(lit)
+    L.Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
+        callbacks=[rates],
+    ).fit(lit)
     expected = [0.02 * expected_lr_factor(step, warmup=3, decay=9, floor=0.25) for step in range(12)]
     assert rates.rates == pytest.approx(expected, rel=1e-12)

@@ -38,17 +38,22 @@ def _reference(hidden, weight, targets, grad_scale: float = 1.0):
 
 def _assert_close(got: torch.Tensor, reference: torch.Tensor, rtol: float) -> None:
     error = (got.double() - reference).abs().max().item()
-    assert error <= rtol * reference.abs().max().item(), f"max error {error:.3g} against max {reference.abs().max():.3g}"
+    assert error <= rtol * reference.abs().max().item(), (
+        f"max error {error:.3g} against max {reference.abs().max():.3g}"
+    )
 
 
 @pytest.mark.parametrize("dtype, rtol", [FLOAT32, BFLOAT16])
-@pytest.mark.parametrize("tokens, d_model, vocab, chunk_tokens", [
-    (64, 16, 50, 16),  # even chunks
-    (37, 11, 23, 5),  # odd sizes, ragged last chunk
-    (13, 7, 29, 100),  # one chunk larger than all tokens
-    (9, 5, 31, 1),  # a token per chunk
-    (33, 12, 17, None),  # the default chunk
-])
+@pytest.mark.parametrize(
+    "tokens, d_model, vocab, chunk_tokens",
+    [
+        (64, 16, 50, 16),  # even chunks
+        (37, 11, 23, 5),  # odd sizes, ragged last chunk
+        (13, 7, 29, 100),  # one chunk larger than all tokens
+        (9, 5, 31, 1),  # a token per chunk
+        (33, 12, 17, None),  # the default chunk
+    ],
+)
 def test_loss_and_gradients_match_float64(dtype, rtol, tokens, d_model, vocab, chunk_tokens):
     hidden, weight, targets = _inputs(tokens, d_model, vocab, dtype)
     loss = fused_linear_cross_entropy(hidden, weight, targets, chunk_tokens)
@@ -143,7 +148,9 @@ def test_the_spy_sees_the_full_logits_of_the_plain_loss():
 @pytest.mark.parametrize("compile_chunks", [False, True])
 def test_forward_and_backward_never_hold_more_than_one_chunk_of_logits(compile_chunks):
     hidden, weight, targets = _inputs(TOKENS, D_MODEL, VOCAB, torch.float32)
-    fused_linear_cross_entropy(hidden, weight, targets, CHUNK, compile_chunks=compile_chunks)  # compiled outside the spy
+    fused_linear_cross_entropy(
+        hidden, weight, targets, CHUNK, compile_chunks=compile_chunks
+    )  # compiled outside the spy
     with _AllocationSpy() as spy:
         fused_linear_cross_entropy(hidden, weight, targets, CHUNK, compile_chunks=compile_chunks).backward()
     assert (TOKENS, VOCAB) not in spy.shapes
@@ -203,14 +210,17 @@ def test_inside_a_compiled_module(compile_chunks):
         _assert_close(grad, param.grad.double(), FLOAT32[1])
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda h, w, t: (h[None], w, t), "hidden must be"),
-    (lambda h, w, t: (h[:0], w, t[:0]), "hidden must be"),
-    (lambda h, w, t: (h, w[:, :-1], t), "weight must be"),
-    (lambda h, w, t: (h, w, t.int()), "targets must be int64"),
-    (lambda h, w, t: (h, w, t[:-1]), "targets must be int64"),
-    (lambda h, w, t: (h.long(), w, t), "floating point"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda h, w, t: (h[None], w, t), "hidden must be"),
+        (lambda h, w, t: (h[:0], w, t[:0]), "hidden must be"),
+        (lambda h, w, t: (h, w[:, :-1], t), "weight must be"),
+        (lambda h, w, t: (h, w, t.int()), "targets must be int64"),
+        (lambda h, w, t: (h, w, t[:-1]), "targets must be int64"),
+        (lambda h, w, t: (h.long(), w, t), "floating point"),
+    ],
+)
 def test_bad_inputs_are_refused_at_the_entry(change, message):
     with pytest.raises(ValueError, match=message):
         fused_linear_cross_entropy(*change(*_inputs(6, 4, 5, torch.float32)))
@@ -235,8 +245,9 @@ def test_the_default_chunk_keeps_its_float32_logits_within_the_budget(vocab):
 @pytest.mark.parametrize("compile_chunks", [False, True])
 def test_gpu_bf16_matches_float64_and_stays_under_the_full_logits(compile_chunks):
     tokens, d_model, vocab, chunk = 2048, 128, 32000, 256  # full float32 logits 250 MiB; a chunk's 31 MiB
-    hidden, weight, targets = (t.detach().cuda().requires_grad_(t.is_floating_point())
-                               for t in _inputs(tokens, d_model, vocab, torch.bfloat16))
+    hidden, weight, targets = (
+        t.detach().cuda().requires_grad_(t.is_floating_point()) for t in _inputs(tokens, d_model, vocab, torch.bfloat16)
+    )
     fused_linear_cross_entropy(hidden, weight, targets, chunk, compile_chunks=compile_chunks).backward()  # compiles
     hidden.grad = weight.grad = None
     torch.cuda.synchronize()

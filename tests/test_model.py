@@ -83,17 +83,32 @@ def test_logits_shape_and_parameter_count():
     per_block = 4 * c.d_model**2 + 3 * c.d_model * c.d_ff + 2 * c.d_model
     expected = 2 * c.vocab_size * c.d_model + c.num_layers * per_block + c.d_model
     assert model.num_parameters() == expected
-    assert model.flops_per_token() == 6 * (expected - c.vocab_size * c.d_model - (2 * c.num_layers + 1) * c.d_model) + 6 * c.num_layers * c.context_length * c.d_model
+    assert (
+        model.flops_per_token()
+        == 6 * (expected - c.vocab_size * c.d_model - (2 * c.num_layers + 1) * c.d_model)
+        + 6 * c.num_layers * c.context_length * c.d_model
+    )
 
 
 def test_named_sizes_match_the_cs336_table():
-    assert (MODEL_SIZES["xl"].d_model, MODEL_SIZES["xl"].d_ff, MODEL_SIZES["xl"].num_layers, MODEL_SIZES["xl"].num_heads) == (1600, 6400, 48, 25)
+    assert (
+        MODEL_SIZES["xl"].d_model,
+        MODEL_SIZES["xl"].d_ff,
+        MODEL_SIZES["xl"].num_layers,
+        MODEL_SIZES["xl"].num_heads,
+    ) == (1600, 6400, 48, 25)
     assert MODEL_SIZES["2.7b"].d_head == 80
     assert all(c.vocab_size == 10_000 for name, c in MODEL_SIZES.items() if name != "8b")
     # The CS336 2026 leaderboard step's model: 8.1B parameters.
     eight_b = MODEL_SIZES["8b"]
-    assert (eight_b.d_model, eight_b.d_ff, eight_b.num_layers, eight_b.num_heads, eight_b.vocab_size,
-            eight_b.context_length) == (4096, 11008, 34, 32, 151_936, 32_768)
+    assert (
+        eight_b.d_model,
+        eight_b.d_ff,
+        eight_b.num_layers,
+        eight_b.num_heads,
+        eight_b.vocab_size,
+        eight_b.context_length,
+    ) == (4096, 11008, 34, 32, 151_936, 32_768)
     with torch.device("meta"):
         assert 8.0e9 < TransformerLM(eight_b).num_parameters() < 8.2e9
 

@@ -11,8 +11,18 @@ from lm_systems.config import ModelConfig
 from lm_systems.errors import InputError
 from lm_systems.model_shape import ModelShape
 
-OVERRIDES = {"vocab_size": None, "context_length": 32, "d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32,
-             "rope_theta": None, "attention": "auto", "activation_checkpointing": "none", "fused_loss": True}
+OVERRIDES = {
+    "vocab_size": None,
+    "context_length": 32,
+    "d_model": 16,
+    "num_layers": 1,
+    "num_heads": 2,
+    "d_ff": 32,
+    "rope_theta": None,
+    "attention": "auto",
+    "activation_checkpointing": "none",
+    "fused_loss": True,
+}
 
 
 def data(vocab_size=None, context_length=16, batch_size=4):
@@ -29,8 +39,10 @@ def test_the_vocabulary_is_the_tokenizers_until_one_is_given():
     assert given.fit_to_data(data(vocab_size=300)) == 512 and isinstance(given.config, ModelConfig)
 
 
-@pytest.mark.parametrize("datamodule, flag", [(data(vocab_size=600), "--model.vocab_size"),
-                                              (data(vocab_size=300, context_length=64), "--model.context_length")])
+@pytest.mark.parametrize(
+    "datamodule, flag",
+    [(data(vocab_size=600), "--model.vocab_size"), (data(vocab_size=300, context_length=64), "--model.context_length")],
+)
 def test_data_that_does_not_fit_names_the_flag(datamodule, flag):
     with pytest.raises(InputError, match=flag):
         ModelShape("tiny", {**OVERRIDES, "vocab_size": 512}).fit_to_data(datamodule)

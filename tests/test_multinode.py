@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
 from run_record import load_records, replay
 
 
@@ -21,23 +20,56 @@ def lightning_environment(node_rank: int, port: int) -> dict[str, str]:
 
 def torchrun_environment(node_rank: int, port: int) -> dict[str, str]:
     """What `torchrun --nnodes 2 --nproc_per_node 1` sets on each node (TorchElasticEnvironment reads it)."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(node_rank), "LOCAL_RANK": "0",
-            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(node_rank), "TORCHELASTIC_RUN_ID": "test"}
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(node_rank),
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": str(node_rank),
+        "TORCHELASTIC_RUN_ID": "test",
+    }
 
 
 @pytest.mark.parametrize(
     "strategy, environment",
-    [("naive_ddp", lightning_environment), ("overlap_ddp", lightning_environment),
-     ("bucketed_ddp", lightning_environment), ("zero1", lightning_environment), ("bucketed_ddp", torchrun_environment)],
+    [
+        ("naive_ddp", lightning_environment),
+        ("overlap_ddp", lightning_environment),
+        ("bucketed_ddp", lightning_environment),
+        ("zero1", lightning_environment),
+        ("bucketed_ddp", torchrun_environment),
+    ],
 )
 def test_two_nodes_train_to_equal_replicas_and_one_checkpoint(strategy, environment, tmp_path, train_py):
     port = find_free_network_port()
-    args = [*train_py.tiny, "--strategy", strategy, "--accelerator", "cpu", "--num_nodes", "2", "--devices", "1",
-            "--max_steps", "3", "--data.val_batches", "2", "--trainer.val_check_interval", "2",
-            "--trainer.callbacks+=tests.run_record.RecordRun", f"--trainer.callbacks.out_dir={tmp_path}"]
+    args = [
+        *train_py.tiny,
+        "--strategy",
+        strategy,
+        "--accelerator",
+        "cpu",
+        "--num_nodes",
+        "2",
+        "--devices",
+        "1",
+        "--max_steps",
+        "3",
+        "--data.val_batches",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.callbacks+=tests.run_record.RecordRun",
+        f"--trainer.callbacks.out_dir={tmp_path}",
+    ]
     with ExitStack() as running:  # both nodes are killed if either fails or outlives the wait
-        nodes = [running.enter_context(train_py.start(*args, cwd=tmp_path, env=train_py.environment(**environment(rank, port))))
-                 for rank in (0, 1)]
+        nodes = [
+            running.enter_context(
+                train_py.start(*args, cwd=tmp_path, env=train_py.environment(**environment(rank, port)))
+            )
+            for rank in (0, 1)
+        ]
         outputs = [node.communicate(timeout=300) for node in nodes]
     for node, (out, err) in zip(nodes, outputs):
         assert node.returncode == 0, (out + err)[-4000:]
@@ -54,7 +86,8 @@ def test_two_nodes_train_to_equal_replicas_and_one_checkpoint(strategy, environm
     assert saved.keys() == reference.keys()
     for name, weight in reference.items():
         assert not torch.equal(weight, records[0]["initial"][name]), f"{name} never moved"
-        # float32: the two nodes' mean gradients averaged vs one mean over both batches (tests/test_train_py_two_processes.py)
+        # float32: the two nodes' mean gradients averaged vs one mean over both batches
+        # (tests/test_train_py_two_processes.py)
         torch.testing.assert_close(saved[name], weight, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         for record in records:
             assert torch.equal(record["final"][name], saved[name]), name

@@ -12,14 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
+from schedule_reference import expected_lr_factor
 
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.lit_module import LitLM
 from lm_systems.model import TransformerLM
 from lm_systems.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from lm_systems.optim import adamw_param_groups
-
-from schedule_reference import expected_lr_factor
 
 NAN, ONE = torch.tensor(float("nan")), torch.tensor(1.0)
 
@@ -34,7 +33,10 @@ def test_stop_reports_the_first_bad_step():
 
 def test_skip_counts_and_stops_only_after_a_run_of_bad_steps():
     guard = NonFiniteGuard("skip", max_consecutive_skips=3)
-    flags = [bool(guard.observe(step, ONE, norm)) for step, norm in enumerate([ONE, NAN, NAN, ONE, torch.tensor(float("inf"))])]
+    flags = [
+        bool(guard.observe(step, ONE, norm))
+        for step, norm in enumerate([ONE, NAN, NAN, ONE, torch.tensor(float("inf"))])
+    ]
     assert flags == [False, True, True, False, True]
     guard.check("advice")  # at most two in a row: training goes on
     assert int(guard.skipped_steps) == 3
@@ -44,8 +46,9 @@ def test_skip_counts_and_stops_only_after_a_run_of_bad_steps():
         guard.check("advice")
 
 
-@pytest.mark.parametrize("policy, limit, flag", [("sideways", 1, "--model.on_nonfinite"),
-                                                 ("stop", 0, "--model.max_consecutive_skips")])
+@pytest.mark.parametrize(
+    "policy, limit, flag", [("sideways", 1, "--model.on_nonfinite"), ("stop", 0, "--model.max_consecutive_skips")]
+)
 def test_bad_options_name_the_flag(policy, limit, flag):
     with pytest.raises(ValueError, match=flag):
         NonFiniteGuard(policy, limit)
@@ -80,18 +83,41 @@ class _PoisonedLM(LitLM):
 
 # The plain loss, as the plain loops below compute it: the fused loss sums in another order, which AdamW turns into
 # moves above these bounds for weights whose gradient is near zero.
-MODEL = dict(size="tiny", d_model=32, num_layers=1, num_heads=2, d_ff=64, context_length=16, warmup_steps=2,
-             sample_prompt="", lr=1e-2, fused_loss=False)
+MODEL = dict(
+    size="tiny",
+    d_model=32,
+    num_layers=1,
+    num_heads=2,
+    d_ff=64,
+    context_length=16,
+    warmup_steps=2,
+    sample_prompt="",
+    lr=1e-2,
+    fused_loss=False,
+)
 CLIP = 1.0
 
 
-def fit(cache_dir: Path, poisoned: set[int], steps: int, log_every_n_steps: int = 2, plugins=(), **model) -> _PoisonedLM:
+def fit(
+    cache_dir: Path, poisoned: set[int], steps: int, log_every_n_steps: int = 2, plugins=(), **model
+) -> _PoisonedLM:
     L.seed_everything(0)
     module = _PoisonedLM(poisoned, **{**MODEL, **model})
-    data = LMDataModule(cache_dir=str(cache_dir), generated_stories=300, vocab_size=300, context_length=16, batch_size=2)
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        log_every_n_steps=log_every_n_steps, gradient_clip_val=CLIP, plugins=list(plugins))
+    data = LMDataModule(
+        cache_dir=str(cache_dir), generated_stories=300, vocab_size=300, context_length=16, batch_size=2
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=log_every_n_steps,
+        gradient_clip_val=CLIP,
+        plugins=list(plugins),
+    )
     trainer.fit(module, datamodule=data)
     return module
 
@@ -108,10 +134,12 @@ def dropping_the_poisoned_batches(module: _PoisonedLM, fused: bool) -> dict[str,
     hparams, steps = module.hparams, module.trainer.max_steps
     model = TransformerLM(module.config)
     model.load_state_dict(module.initial)
-    optimizer = torch.optim.AdamW(adamw_param_groups(model, hparams.weight_decay), lr=hparams.lr,
-                                  betas=tuple(hparams.betas), fused=fused)
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(model, hparams.weight_decay), lr=hparams.lr, betas=tuple(hparams.betas), fused=fused
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: expected_lr_factor(step, hparams.warmup_steps, steps, hparams.min_lr_ratio))
+        optimizer, lambda step: expected_lr_factor(step, hparams.warmup_steps, steps, hparams.min_lr_ratio)
+    )
     assert len(module.batches) == steps
     for step, batch in enumerate(module.batches):
         if step not in module.poisoned:
@@ -209,8 +237,13 @@ def test_under_a_grad_scaler_the_norm_and_clipping_see_unscaled_gradients(cache_
 def test_under_a_grad_scaler_an_overflowing_step_is_the_scalers_to_skip(cache_dir, fused_on_cpu):
     """A scale of 2**24 overflows fp16 in the first backward: the scaler skips that step and backs off; the
     non-finite guard, set to stop, lets it (the loss was finite), and AdamW counts one update fewer."""
-    module = fit(cache_dir, set(), steps=4, plugins=[sixteen_mixed(init_scale=2.0**24, backoff_factor=2.0**-10)],
-                 on_nonfinite="stop")
+    module = fit(
+        cache_dir,
+        set(),
+        steps=4,
+        plugins=[sixteen_mixed(init_scale=2.0**24, backoff_factor=2.0**-10)],
+        on_nonfinite="stop",
+    )
     assert module.trainer.precision_plugin.scaler.get_scale() == 2.0**14
     assert {int(state["step"]) for state in module.trainer.optimizers[0].state.values()} == {3}
     assert all(torch.isfinite(p).all() for p in module.parameters())

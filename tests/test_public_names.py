@@ -7,11 +7,16 @@ import sys
 
 import pytest
 
-
 PUBLIC = {  # package: {name: the module that defines it}
-    "lm_systems": {"TransformerLM": "lm_systems.model", "ModelConfig": "lm_systems.config", "LitLM": "lm_systems.lit_module"},
-    "lm_systems.attention": {"FlashAttention2Torch": "lm_systems.attention.flash_torch",
-                             "FlashAttention2Triton": "lm_systems.attention.flash_triton"},
+    "lm_systems": {
+        "TransformerLM": "lm_systems.model",
+        "ModelConfig": "lm_systems.config",
+        "LitLM": "lm_systems.lit_module",
+    },
+    "lm_systems.attention": {
+        "FlashAttention2Torch": "lm_systems.attention.flash_torch",
+        "FlashAttention2Triton": "lm_systems.attention.flash_triton",
+    },
     "lm_systems.data": {"LMDataModule": "lm_systems.data.datamodule"},
 }
 
@@ -31,11 +36,18 @@ def test_public_names_are_the_classes(package):
 
 @pytest.mark.slow
 def test_the_model_and_the_tokenizer_import_without_lightning():
-    code = ("import sys\n"
-            "from lm_systems import ModelConfig, TransformerLM\n"
-            "from lm_systems.data.tokenizer import load_tokenizer\n"
-            "TransformerLM(ModelConfig.from_name('tiny'))\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1"}).stdout
+    code = (
+        "import sys\n"
+        "from lm_systems import ModelConfig, TransformerLM\n"
+        "from lm_systems.data.tokenizer import load_tokenizer\n"
+        "TransformerLM(ModelConfig.from_name('tiny'))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    ).stdout
     assert out.strip() == "[]"

@@ -48,8 +48,11 @@ def _kept_bytes(model: TransformerLM, tokens: torch.Tensor) -> int:
     with spy:
         loss = model(tokens[:, :-1], tokens[:, 1:])
     gc.collect()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for ref in spy.made
-                if (t := ref()) is not None and t is not loss}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for ref in spy.made
+        if (t := ref()) is not None and t is not loss
+    }
     return sum(storages.values())
 
 
@@ -71,8 +74,10 @@ def test_each_policy_keeps_less_for_backward():
     kept = {policy: _kept_bytes(_model(policy), tokens) for policy in RECOMPUTE_POLICIES}
     assert kept["blocks"] < kept["keep_attention"] < kept["selective"] < kept["none"]
     # Each block more: "blocks" keeps its input alone, one (B, T, D) float64; the others keep far more.
-    deeper = {policy: _kept_bytes(_model(policy, num_layers=CONFIG["num_layers"] + 2), tokens)
-              for policy in RECOMPUTE_POLICIES}
+    deeper = {
+        policy: _kept_bytes(_model(policy, num_layers=CONFIG["num_layers"] + 2), tokens)
+        for policy in RECOMPUTE_POLICIES
+    }
     per_block = {policy: (deeper[policy] - kept[policy]) / 2 for policy in RECOMPUTE_POLICIES}
     assert per_block["blocks"] == 2 * 24 * CONFIG["d_model"] * 8
     # "keep_attention" adds the attention's output (B, H, T, d_head) and its softmax statistics (B, H, T), float64.

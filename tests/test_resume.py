@@ -9,15 +9,20 @@ import lightning.pytorch as L
 import pytest
 import torch
 import yaml
-
-from train import main
-from lm_systems.lit_module import LitLM
-
 from environment import environment_kept
 
+from lm_systems.lit_module import LitLM
+from train import main
+
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
-QUIET = ["--trainer.limit_val_batches", "0", "--trainer.enable_model_summary", "false",
-         "--trainer.enable_progress_bar", "false"]
+QUIET = [
+    "--trainer.limit_val_batches",
+    "0",
+    "--trainer.enable_model_summary",
+    "false",
+    "--trainer.enable_progress_bar",
+    "false",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +36,23 @@ def first_run(tmp_path_factory, tiny_args) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("first_run")
     common = [*tiny_args, *QUIET]
     with environment_kept():
-        main([*common, "--trainer.logger.init_args.save_dir", str(root), "--max_steps", "2", "--model.lr", "0.5",
-              "--model.warmup_steps", "1", "--trainer.gradient_clip_val", "0", "--model.on_nonfinite", "skip"])
+        main(
+            [
+                *common,
+                "--trainer.logger.init_args.save_dir",
+                str(root),
+                "--max_steps",
+                "2",
+                "--model.lr",
+                "0.5",
+                "--model.warmup_steps",
+                "1",
+                "--trainer.gradient_clip_val",
+                "0",
+                "--model.on_nonfinite",
+                "skip",
+            ]
+        )
     (checkpoint,) = root.rglob("step=2.ckpt")
     return checkpoint, common
 
@@ -40,8 +60,7 @@ def first_run(tmp_path_factory, tiny_args) -> tuple[Path, list[str]]:
 @pytest.mark.slow  # first_run trains
 def test_typed_settings_take_effect_and_untyped_model_settings_continue(first_run, tmp_path, caplog):
     checkpoint, common = first_run
-    resumed = main([*common, "--max_steps", "4", "--model.lr", "1e-3",
-                    "--ckpt_path", str(checkpoint)])
+    resumed = main([*common, "--max_steps", "4", "--model.lr", "1e-3", "--ckpt_path", str(checkpoint)])
     hparams = resumed.model.hparams
     assert hparams.lr == 1e-3 and hparams.warmup_steps == 1 and hparams.on_nonfinite == "skip"
     assert resumed.trainer.gradient_clip_val == 1.0 and resumed.trainer.global_step == 4
@@ -97,15 +116,21 @@ def test_a_small_checkpoint_resumed_as_tiny_is_refused(small_checkpoint, capsys)
 
 
 def test_a_refused_context_length_names_the_checkpoints_resolved_one(small_checkpoint, capsys):
-    line = usage_error(["--model.context_length", "512", "--max_steps", "1", "--ckpt_path", str(small_checkpoint)],
-                       capsys)
+    line = usage_error(
+        ["--model.context_length", "512", "--max_steps", "1", "--ckpt_path", str(small_checkpoint)], capsys
+    )
     assert line.startswith("error: --model.context_length 512 does not match the checkpoint's 256"), line
 
 
 def test_a_checkpoint_of_non_finite_weights_is_refused_naming_it(tmp_path, capsys):
     path = tmp_path / "diverged.ckpt"
-    torch.save({"hyper_parameters": {**LitLM().hparams, "vocab_size": 300},
-                "state_dict": {"model.embedding.weight": torch.tensor([[1.0, float("nan")]])}}, path)
+    torch.save(
+        {
+            "hyper_parameters": {**LitLM().hparams, "vocab_size": 300},
+            "state_dict": {"model.embedding.weight": torch.tensor([[1.0, float("nan")]])},
+        },
+        path,
+    )
     line = usage_error(["--max_steps", "1", "--ckpt_path", str(path)], capsys)
     assert line.startswith(f"error: --ckpt_path {str(path)!r} holds non-finite weights (NaN or inf)"), line
     assert "--model.lr" not in line

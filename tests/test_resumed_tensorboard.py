@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from schedule_reference import expected_lr_factor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from train import main
-
-from schedule_reference import expected_lr_factor
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")]  # trains
 WARMUP, LR = 2, 3e-3
@@ -26,16 +25,30 @@ def in_tmp(tmp_path, monkeypatch):
 def fast(tiny_args) -> list[str]:
     """Logging every other step and validating every other step, as the default run's two intervals align; one
     schedule of 8 steps for runs stopped sooner (a longer --max_steps on resume would stretch the cosine)."""
-    return [*tiny_args, "--trainer.log_every_n_steps", "2", "--trainer.val_check_interval", "2",
-            "--trainer.enable_progress_bar", "false", "--model.warmup_steps", str(WARMUP), "--model.lr", str(LR),
-            "--model.decay_steps", "8"]
+    return [
+        *tiny_args,
+        "--trainer.log_every_n_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--model.warmup_steps",
+        str(WARMUP),
+        "--model.lr",
+        str(LR),
+        "--model.decay_steps",
+        "8",
+    ]
 
 
 def points(cli) -> dict[str, list[tuple[int, float]]]:
     """Each scalar tag's (step, value) points in the run's TensorBoard folder."""
     events = EventAccumulator(str(cli.trainer.logger.log_dir)).Reload()
-    return {tag: [(event.step, event.value) for event in events.Scalars(tag)]
-            for tag in ("train/loss", "train/lr", "val/loss")}
+    return {
+        tag: [(event.step, event.value) for event in events.Scalars(tag)]
+        for tag in ("train/loss", "train/lr", "val/loss")
+    }
 
 
 @pytest.mark.parametrize("stop, interval", [(4, 0), (4, 2), (3, 0)], ids=["end-of-fit", "mid-run", "end-unvalidated"])
@@ -51,8 +64,19 @@ def test_a_resumed_runs_points_are_where_an_uninterrupted_run_puts_them(fast, st
 def test_the_first_rate_drawn_after_a_resume_is_the_one_trained_with(fast):
     first = main([*fast, "--max_steps", "4", "--trainer.log_every_n_steps", "1"])
     checkpoint = Path(first.trainer.logger.log_dir) / "checkpoints" / "step=4.ckpt"
-    resumed = main([*fast, "--max_steps", "8", "--trainer.log_every_n_steps", "1", "--model.lr", str(10 * LR),
-                    "--ckpt_path", str(checkpoint)])
+    resumed = main(
+        [
+            *fast,
+            "--max_steps",
+            "8",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--model.lr",
+            str(10 * LR),
+            "--ckpt_path",
+            str(checkpoint),
+        ]
+    )
     events = EventAccumulator(str(resumed.trainer.logger.log_dir)).Reload()
     drawn = [(event.step, event.value) for event in events.Scalars("train/lr")]
     expected = [(step, 10 * LR * expected_lr_factor(step, WARMUP, 8, 0.1)) for step in range(4, 8)]

@@ -18,8 +18,20 @@ from lm_systems.cli import TRAINER_DEFAULTS
 REPO = Path(__file__).resolve().parents[1]
 STEPS, VAL_EVERY, LOG_EVERY = 12, 4, 2
 PROMPT = "Once upon a time"
-RUN = ["--max_steps", str(STEPS), "--trainer.val_check_interval", str(VAL_EVERY), "--trainer.log_every_n_steps",
-       str(LOG_EVERY), "--data.val_batches", "2", "--model.sample_prompt", PROMPT, "--model.sample_tokens", "8"]
+RUN = [
+    "--max_steps",
+    str(STEPS),
+    "--trainer.val_check_interval",
+    str(VAL_EVERY),
+    "--trainer.log_every_n_steps",
+    str(LOG_EVERY),
+    "--data.val_batches",
+    "2",
+    "--model.sample_prompt",
+    PROMPT,
+    "--model.sample_tokens",
+    "8",
+]
 WITH_PEAK = ["--trainer.callbacks+=callbacks.MFUMonitor", "--trainer.callbacks.peak_flops_per_s=1e12"]
 TOKENS_PER_STEP = 2 * 16  # tests/conftest.py's TINY: batch 2, context 16
 
@@ -37,12 +49,14 @@ def two_runs(tmp_path_factory, train_py) -> tuple[Path, list[str]]:
 
 
 def _events(cwd: Path, version: int) -> EventAccumulator:
-    return EventAccumulator(str(cwd / "logs" / "lm_systems" / f"version_{version}"), size_guidance={"tensors": 0}).Reload()
+    return EventAccumulator(
+        str(cwd / "logs" / "lm_systems" / f"version_{version}"), size_guidance={"tensors": 0}
+    ).Reload()
 
 
 def _summary(console: str) -> dict[str, str]:
     """The summary's ``key value`` lines, from its first (``finished``) to the end."""
-    lines = console[console.rindex("\nfinished "):].strip().splitlines()
+    lines = console[console.rindex("\nfinished ") :].strip().splitlines()
     return {line[:11].strip(): line[12:] for line in lines}
 
 
@@ -82,16 +96,25 @@ def test_the_readmes_commands_open_the_newest_run(two_runs, train_py):
     generate = _readme_line("python -m lm_systems.generate")
     python, *args = shlex.split(generate)
     assert python == "python"
-    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env=train_py.environment())
+    done = subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=train_py.environment()
+    )
     assert done.returncode == 0, done.stderr
     assert "version_1" in done.stderr and PROMPT in done.stdout
     logdir = _readme_line("tensorboard --logdir").split()[2]
     assert sorted(p.parent.name for p in (cwd / logdir).glob("*/*/events.out.tfevents.*")) == ["version_0", "version_1"]
 
 
-TAGS = {"train/loss", "train/perplexity", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/mfu",
-        "val/loss", "val/perplexity"}
+TAGS = {
+    "train/loss",
+    "train/perplexity",
+    "train/lr",
+    "train/grad_norm",
+    "train/tokens_per_sec",
+    "train/mfu",
+    "val/loss",
+    "val/perplexity",
+}
 
 
 @pytest.mark.slow
@@ -124,7 +147,10 @@ def test_hyperparameters_are_shown_against_validation_loss(two_runs):
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
     assert [metric.name.tag for metric in experiment.metric_infos] == ["val/loss"]
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
-    hparams = {key: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind")) for key, value in start.hparams.items()}
+    hparams = {
+        key: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
+        for key, value in start.hparams.items()
+    }
     assert hparams["size"] == "tiny" and hparams["vocab_size"] == 300 and hparams["d_model"] == 32  # resolved
     assert hparams["max_steps"] == STEPS and hparams["tokens_per_step"] == TOKENS_PER_STEP and hparams["parameters"] > 0
 

@@ -4,18 +4,25 @@ import re
 
 import pytest
 
-from train import main
 from lm_systems.run_summary import _duration
+from train import main
 
 
 @pytest.fixture
 def fast(tiny_args) -> list[str]:
-    return [*tiny_args, "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", "3",
-            "--trainer.log_every_n_steps", "3"]
+    return [
+        *tiny_args,
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.val_check_interval",
+        "3",
+        "--trainer.log_every_n_steps",
+        "3",
+    ]
 
 
 def _summary(out: str) -> dict[str, str]:
-    lines = out[out.rindex("\nfinished "):].strip().splitlines()
+    lines = out[out.rindex("\nfinished ") :].strip().splitlines()
     return {line[:11].strip(): line[12:] for line in lines}
 
 
@@ -27,11 +34,14 @@ def test_a_run_and_its_resumption_say_what_they_did_and_where(tmp_path, monkeypa
     assert re.fullmatch(r"4 steps in \d+\.\d s", first["finished"])
     assert re.fullmatch(r"train \d\.\d{3} at step 3, validation \d\.\d{3} at step 3", first["loss"])  # not at 4
     assert first["tokens"] == "128 (32 a step)"  # batch 2 × context 16
-    speed = re.fullmatch(r"([\d,]+) tokens/s, ([\d.e-]+) s a step \(after step 1, validation left out\)", first["speed"])
+    speed = re.fullmatch(
+        r"([\d,]+) tokens/s, ([\d.e-]+) s a step \(after step 1, validation left out\)", first["speed"]
+    )
     tokens_per_s, seconds_a_step = float(speed[1].replace(",", "")), float(speed[2])
     assert tokens_per_s * seconds_a_step == pytest.approx(32, rel=0.01)  # the same timed steps, 32 tokens each
-    assert re.fullmatch(r"done \d+\.\d s after start-up \(data, model, compiling and tuning included\)",
-                        first["first step"])
+    assert re.fullmatch(
+        r"done \d+\.\d s after start-up \(data, model, compiling and tuning included\)", first["first step"]
+    )
     assert first["MFU"] == "unknown: no peak FLOP/s known for cpu (MFUMonitor's peak_flops_per_s sets one)"
     assert first["checkpoint"] == "logs/lm_systems/version_0/checkpoints/last.ckpt"
 

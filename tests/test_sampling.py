@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lm_systems.config import ModelConfig
-from lm_systems.sampling import sample
 from lm_systems.model import TransformerLM
+from lm_systems.sampling import sample
 
 
 @pytest.fixture
@@ -25,7 +25,9 @@ def test_greedy_sampling_is_argmax_decoding_and_crops_to_the_context(model):
 
 def test_tiny_top_p_is_greedy(model):
     greedy = sample(model, [4, 5], max_new_tokens=8, temperature=0)
-    nucleus = sample(model, [4, 5], max_new_tokens=8, temperature=1.0, top_p=1e-6, generator=torch.Generator().manual_seed(3))
+    nucleus = sample(
+        model, [4, 5], max_new_tokens=8, temperature=1.0, top_p=1e-6, generator=torch.Generator().manual_seed(3)
+    )
     assert nucleus == greedy
 
 

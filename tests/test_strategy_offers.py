@@ -13,8 +13,14 @@ from lm_systems.compile_policy import compile_model
 from lm_systems.errors import InputError
 from lm_systems.lit_module import LitLM
 from lm_systems.strategy_offers import BlockRuns, GlobalGradNorm, LocalGradNorm, ShardingUnits
-from strategies import (BucketedDDPStrategy, FSDP2Strategy, NaiveDDPStrategy, OverlapDDPStrategy, Zero1Strategy,
-                        Zero3Strategy)
+from strategies import (
+    BucketedDDPStrategy,
+    FSDP2Strategy,
+    NaiveDDPStrategy,
+    OverlapDDPStrategy,
+    Zero1Strategy,
+    Zero3Strategy,
+)
 
 CONTAINER_STRATEGIES = (NaiveDDPStrategy, OverlapDDPStrategy, BucketedDDPStrategy, Zero1Strategy, Zero3Strategy)
 
@@ -44,9 +50,17 @@ def test_fsdp2_offers_none_and_torchs_norm_is_used_there():
     assert global_grad_norm(container, torch.nn.Linear(2, 2)) is container.strategy
 
 
-@pytest.mark.parametrize("strategy, offers", [(BucketedDDPStrategy, True), (Zero1Strategy, True),
-                                              (NaiveDDPStrategy, False), (OverlapDDPStrategy, False),
-                                              (Zero3Strategy, False)], ids=lambda x: getattr(x, "strategy_name", x))
+@pytest.mark.parametrize(
+    "strategy, offers",
+    [
+        (BucketedDDPStrategy, True),
+        (Zero1Strategy, True),
+        (NaiveDDPStrategy, False),
+        (OverlapDDPStrategy, False),
+        (Zero3Strategy, False),
+    ],
+    ids=lambda x: getattr(x, "strategy_name", x),
+)
 def test_bucket_runs_are_offered_by_the_bucketing_strategies(strategy, offers):
     assert isinstance(strategy(), BlockRuns) is offers
 
@@ -65,8 +79,9 @@ def test_local_grad_norm_is_torchs():
     norm = LocalGradNorm(params)
     torch.testing.assert_close(norm.grad_norm(), expected)
     torch.testing.assert_close(norm.clip_grad_norm_(1.0), expected)
-    torch.testing.assert_close(torch.nn.utils.get_total_norm([p.grad for p in params]), torch.tensor(1.0), atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(
+        torch.nn.utils.get_total_norm([p.grad for p in params]), torch.tensor(1.0), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])

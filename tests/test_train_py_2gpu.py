@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from sigterm_run import sigterm_after_first_checkpoint
 from test_train_py_gpu import assert_trained, logged, version_dir
 
@@ -45,12 +44,31 @@ def devices() -> int:
 
 def train_py_on_gpus(train_py, run_dir: Path, cache_dir: Path, devices: int, *args: str) -> None:
     """One run (35-80 s on two H100s): the 600 s test limit holds two, as the DDP reference and a strategy's."""
-    train_py.run_ok("--devices", str(devices), "--max_steps", str(STEPS), "--accumulate_grad_batches", "2",
-                    "--trainer.gradient_clip_val", str(CLIP), "--trainer.val_check_interval", "6",
-                    "--trainer.log_every_n_steps", "2", "--trainer.enable_progress_bar", "false",
-                    "--model.sample_tokens", "8", "--data.cache_dir", str(cache_dir),
-                    "--trainer.callbacks+=tests.rank_weights.SaveRankWeights", f"--trainer.callbacks.out_dir={run_dir}",
-                    *args, cwd=run_dir, timeout=280)
+    train_py.run_ok(
+        "--devices",
+        str(devices),
+        "--max_steps",
+        str(STEPS),
+        "--accumulate_grad_batches",
+        "2",
+        "--trainer.gradient_clip_val",
+        str(CLIP),
+        "--trainer.val_check_interval",
+        "6",
+        "--trainer.log_every_n_steps",
+        "2",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--model.sample_tokens",
+        "8",
+        "--data.cache_dir",
+        str(cache_dir),
+        "--trainer.callbacks+=tests.rank_weights.SaveRankWeights",
+        f"--trainer.callbacks.out_dir={run_dir}",
+        *args,
+        cwd=run_dir,
+        timeout=280,
+    )
 
 
 def checkpoint_weights(run_dir: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
@@ -71,8 +89,9 @@ def ddp_run(tmp_path_factory, cache_dir, train_py, devices):
     def run(precision: str) -> Path:
         if precision not in runs:
             runs[precision] = tmp_path_factory.mktemp(f"ddp_{precision}")
-            train_py_on_gpus(train_py, runs[precision], cache_dir, devices, "--strategy", "ddp",
-                             "--precision", precision)
+            train_py_on_gpus(
+                train_py, runs[precision], cache_dir, devices, "--strategy", "ddp", "--precision", precision
+            )
         return runs[precision]
 
     return run
@@ -96,8 +115,12 @@ def test_strategy_trains_like_torch_ddp(strategy, precision, devices, tmp_path, 
     ours = checkpoint_weights(tmp_path)
     travelled = distance(reference, _initial_weights(ddp_run(precision)))
     assert distance(ours, reference) < 0.1 * travelled, (distance(ours, reference), travelled)
-    torch.testing.assert_close(torch.tensor(logged(tmp_path, "train/loss")),
-                               torch.tensor(logged(ddp_run(precision), "train/loss")), atol=2e-2, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(logged(tmp_path, "train/loss")),
+        torch.tensor(logged(ddp_run(precision), "train/loss")),
+        atol=2e-2,
+        rtol=0,
+    )
 
 
 def _initial_weights(ddp_run: Path) -> dict[str, torch.Tensor]:
@@ -117,13 +140,27 @@ def test_resume_ends_where_the_uninterrupted_run_ends(strategy, devices, tmp_pat
     train_py_on_gpus(train_py, first, cache_dir, devices, *common, "--checkpointing_interval", str(STEPS // 2))
     middle = version_dir(first) / "checkpoints" / f"step={STEPS // 2}.ckpt"
     train_py_on_gpus(train_py, resumed, cache_dir, devices, *common, "--ckpt_path", str(middle))
-    assert torch.load(version_dir(resumed) / "checkpoints" / "last.ckpt", map_location="cpu",
-                      weights_only=False)["global_step"] == STEPS
+    assert (
+        torch.load(version_dir(resumed) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)[
+            "global_step"
+        ]
+        == STEPS
+    )
     expected, got = checkpoint_weights(whole), checkpoint_weights(resumed)
     assert distance(got, expected) <= 1e-3 * distance(expected, checkpoint_weights(first, middle.name))
 
 
 @pytest.mark.parametrize("strategy", ["bucketed_ddp", "zero3"])
 def test_sigterm_stops_both_ranks_and_exits_143(strategy, train_py, tmp_path, cache_dir):
-    sigterm_after_first_checkpoint(train_py, tmp_path, "--devices", "2", "--strategy", strategy,
-                                   "--trainer.enable_progress_bar", "false", "--data.cache_dir", str(cache_dir))
+    sigterm_after_first_checkpoint(
+        train_py,
+        tmp_path,
+        "--devices",
+        "2",
+        "--strategy",
+        strategy,
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.cache_dir",
+        str(cache_dir),
+    )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_train_py_2gpu import (  # noqa: F401 (the fixture and tests pytest collects here)
     ddp_run,
     test_resume_ends_where_the_uninterrupted_run_ends,

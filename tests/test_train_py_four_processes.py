@@ -13,20 +13,36 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from lm_systems.parallel.bucketed import ONE_HOST_BUCKET_MB
 from replay_check import assert_trained_like_replay, last_checkpoint
 from run_record import load_records
 from test_train_py_two_processes import CLIP, checkpoint, record_into
 
+from lm_systems.parallel.bucketed import ONE_HOST_BUCKET_MB
+
 STEPS, STOP_AT = 4, 2
 # Four ranks of batch 2 need 8 validation windows: two batches.
-TRAINING = ["--accelerator", "cpu", "--max_steps", str(STEPS), "--accumulate_grad_batches", "2",
-            "--trainer.gradient_clip_val", CLIP, "--model.warmup_steps", "1", "--trainer.val_check_interval", "2",
-            "--data.val_batches", "2", "--checkpointing_interval", str(STOP_AT),
-            # The plain loss, as the replay computes it: the fused loss sums in another order, which AdamW turns into
-            # ~1e-6 moves of weights whose gradient is near zero (tests/test_train_py_two_processes.py covers it).
-            "--model.fused_loss", "false"]
+TRAINING = [
+    "--accelerator",
+    "cpu",
+    "--max_steps",
+    str(STEPS),
+    "--accumulate_grad_batches",
+    "2",
+    "--trainer.gradient_clip_val",
+    CLIP,
+    "--model.warmup_steps",
+    "1",
+    "--trainer.val_check_interval",
+    "2",
+    "--data.val_batches",
+    "2",
+    "--checkpointing_interval",
+    str(STOP_AT),
+    # The plain loss, as the replay computes it: the fused loss sums in another order, which AdamW turns into
+    # ~1e-6 moves of weights whose gradient is near zero (tests/test_train_py_two_processes.py covers it).
+    "--model.fused_loss",
+    "false",
+]
 RUN = [*TRAINING, "--devices", "4", "--trainer.logger", "false"]
 RESUMED = "zero3"
 
@@ -48,11 +64,13 @@ def test_four_processes_train_like_one_process_on_their_batches(strategy, uninte
 
 
 @pytest.mark.parametrize("strategy", [RESUMED], scope="module")
-def test_resumed_four_process_run_ends_where_the_uninterrupted_one_did(strategy, uninterrupted, train_py, tmp_path,
-                                                                        assert_same_training_state):
+def test_resumed_four_process_run_ends_where_the_uninterrupted_one_did(
+    strategy, uninterrupted, train_py, tmp_path, assert_same_training_state
+):
     stop = next(uninterrupted.rglob(f"step={STOP_AT}.ckpt"))
-    train_py.run_ok(*train_py.tiny, *RUN, "--strategy", strategy, "--ckpt_path", str(stop), *record_into(tmp_path),
-                    cwd=tmp_path)
+    train_py.run_ok(
+        *train_py.tiny, *RUN, "--strategy", strategy, "--ckpt_path", str(stop), *record_into(tmp_path), cwd=tmp_path
+    )
     assert_same_training_state(last_checkpoint(tmp_path), checkpoint(uninterrupted, STEPS))
     for before, after in zip(load_records(uninterrupted), load_records(tmp_path), strict=True):
         assert after["start_step"] == STOP_AT

@@ -17,8 +17,18 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
-SHORT = ["--max_steps", str(STEPS), "--trainer.val_check_interval", "20", "--trainer.log_every_n_steps", "5",
-         "--trainer.enable_progress_bar", "false", "--model.sample_tokens", "8"]
+SHORT = [
+    "--max_steps",
+    str(STEPS),
+    "--trainer.val_check_interval",
+    "20",
+    "--trainer.log_every_n_steps",
+    "5",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--model.sample_tokens",
+    "8",
+]
 OUR_STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "zero3"]
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 
@@ -60,36 +70,76 @@ def test_the_default_run(tmp_path, cache_dir, train_py):
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("strategy", ["auto", "ddp", *OUR_STRATEGIES])
 def test_strategy_and_precision_on_one_gpu(strategy, precision, tmp_path, cache_dir, train_py):
-    run(train_py, tmp_path, cache_dir, "--strategy", strategy, "--devices", "1", "--precision", precision,
-             "--trainer.gradient_clip_val", "1.0")
+    run(
+        train_py,
+        tmp_path,
+        cache_dir,
+        "--strategy",
+        strategy,
+        "--devices",
+        "1",
+        "--precision",
+        precision,
+        "--trainer.gradient_clip_val",
+        "1.0",
+    )
     assert_trained(tmp_path)
 
 
 @pytest.mark.parametrize("attention", ["auto", "sdpa", "flash_triton"])
 def test_compiled(attention, tmp_path, cache_dir, train_py):
-    run(train_py, tmp_path, cache_dir, "--model.compile", "true", "--model.attention", attention, "--precision", "bf16-mixed")
+    run(
+        train_py,
+        tmp_path,
+        cache_dir,
+        "--model.compile",
+        "true",
+        "--model.attention",
+        attention,
+        "--precision",
+        "bf16-mixed",
+    )
     assert_trained(tmp_path)
 
 
 def test_flash_triton_attention(tmp_path, cache_dir, train_py):
-    done = run(train_py, tmp_path, cache_dir, "--model.attention", "flash_triton", "--precision", "bf16-mixed",
-                    "--strategy", "bucketed_ddp")
+    done = run(
+        train_py,
+        tmp_path,
+        cache_dir,
+        "--model.attention",
+        "flash_triton",
+        "--precision",
+        "bf16-mixed",
+        "--strategy",
+        "bucketed_ddp",
+    )
     assert "attention=flash_triton" in done.stdout + done.stderr
     assert_trained(tmp_path)
 
 
-def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ended(tmp_path, cache_dir, train_py,
-                                                                         assert_same_training_state):
+def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ended(
+    tmp_path, cache_dir, train_py, assert_same_training_state
+):
     """Stopped at step 20's checkpoint and resumed to 40 (validating at step 20 in both): the uninterrupted run's
     step=40.ckpt, bit for bit."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     whole.mkdir(), resumed.mkdir()
     run(train_py, whole, cache_dir, "--precision", "bf16-mixed", "--checkpointing_interval", str(STEPS // 2))
     checkpoints = version_dir(whole) / "checkpoints"
-    run(train_py, resumed, cache_dir, "--precision", "bf16-mixed", "--ckpt_path", str(checkpoints / f"step={STEPS // 2}.ckpt"))
+    run(
+        train_py,
+        resumed,
+        cache_dir,
+        "--precision",
+        "bf16-mixed",
+        "--ckpt_path",
+        str(checkpoints / f"step={STEPS // 2}.ckpt"),
+    )
     load = lambda path: torch.load(path, map_location="cpu", weights_only=False)  # noqa: E731
-    assert_same_training_state(load(version_dir(resumed) / "checkpoints" / f"step={STEPS}.ckpt"),
-                               load(checkpoints / f"step={STEPS}.ckpt"))
+    assert_same_training_state(
+        load(version_dir(resumed) / "checkpoints" / f"step={STEPS}.ckpt"), load(checkpoints / f"step={STEPS}.ckpt")
+    )
 
 
 @pytest.mark.timeout(960)  # the run's own limit is 900 s
@@ -99,8 +149,28 @@ def test_shipped_config(config, tmp_path, cache_dir, train_py):
     generated corpus: nothing is downloaded here); the loss must fall within those steps. No checkpoints:
     the 2.7b one alone would take 40 GB of the test machine's disk."""
     data = ["--data.corpus", "generated"] if config == "tinystories.yaml" else []
-    run(train_py, tmp_path, cache_dir, "-c", str(REPO / "configs" / config), *SHORT, *data, "--max_steps", "12",
-             "--model.warmup_steps", "2",
-             "--trainer.val_check_interval", "12", "--trainer.log_every_n_steps", "2", "--data.val_batches", "1",
-             "--trainer.accumulate_grad_batches", "1", "--trainer.enable_checkpointing", "false", timeout=900)
+    run(
+        train_py,
+        tmp_path,
+        cache_dir,
+        "-c",
+        str(REPO / "configs" / config),
+        *SHORT,
+        *data,
+        "--max_steps",
+        "12",
+        "--model.warmup_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "12",
+        "--trainer.log_every_n_steps",
+        "2",
+        "--data.val_batches",
+        "1",
+        "--trainer.accumulate_grad_batches",
+        "1",
+        "--trainer.enable_checkpointing",
+        "false",
+        timeout=900,
+    )
     assert_trained(tmp_path, checkpointed=False)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from run_record import load_records, replay
 from sigterm_run import sigterm_after_first_checkpoint
 
@@ -24,9 +23,26 @@ STEPS, STOP_AT, ACCUMULATE = 6, 3, 2
 # Below every step's gradient norm in these runs (0.6-0.7 measured), so every step clips: a strategy whose
 # wrapper skipped or misplaced clipping would end elsewhere. The replay asserts that each step clipped.
 CLIP = "0.25"
-RUN = ["--accelerator", "cpu", "--devices", "2", "--max_steps", str(STEPS), "--accumulate_grad_batches", str(ACCUMULATE),
-       "--trainer.gradient_clip_val", CLIP, "--model.warmup_steps", "1", "--trainer.val_check_interval", "4",
-       "--checkpointing_interval", str(STOP_AT), "--trainer.logger", "false"]
+RUN = [
+    "--accelerator",
+    "cpu",
+    "--devices",
+    "2",
+    "--max_steps",
+    str(STEPS),
+    "--accumulate_grad_batches",
+    str(ACCUMULATE),
+    "--trainer.gradient_clip_val",
+    CLIP,
+    "--model.warmup_steps",
+    "1",
+    "--trainer.val_check_interval",
+    "4",
+    "--checkpointing_interval",
+    str(STOP_AT),
+    "--trainer.logger",
+    "false",
+]
 
 
 ZERO1_ALL_REDUCE = "zero1 --trainer.strategy.grad_reduce all_reduce"  # every rank keeps all averaged gradients
@@ -40,8 +56,16 @@ ZERO3_PREFETCH_2 = f"zero3 {FUSED} --trainer.strategy.prefetch 2"  # all-gathers
 # The leaderboard step's recipe, scaled down: each block recomputed in backward, the fused loss, synthetic tokens.
 ZERO3_RECOMPUTED = "zero3 --model.activation_checkpointing blocks --data.synthetic true"
 BUCKETED_SELECTIVE = "bucketed_ddp --model.activation_checkpointing selective"
-STRATEGIES = [*RESUMED, "naive_ddp", "overlap_ddp", f"bucketed_ddp {FUSED}", ZERO3_PREFETCH_2, COMPILED_RUNS,
-              ZERO3_RECOMPUTED, BUCKETED_SELECTIVE]
+STRATEGIES = [
+    *RESUMED,
+    "naive_ddp",
+    "overlap_ddp",
+    f"bucketed_ddp {FUSED}",
+    ZERO3_PREFETCH_2,
+    COMPILED_RUNS,
+    ZERO3_RECOMPUTED,
+    BUCKETED_SELECTIVE,
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +89,9 @@ def checkpoint(run_dir: Path, step: int) -> dict:
 @pytest.mark.parametrize("strategy", STRATEGIES, scope="module")
 def test_two_processes_train_like_one_process_on_their_batches(strategy, uninterrupted):
     records = load_records(uninterrupted)
-    assert len(records) == 2 and not torch.equal(records[0]["batches"][0], records[1]["batches"][0]), "ranks' data differ"
+    assert len(records) == 2 and not torch.equal(records[0]["batches"][0], records[1]["batches"][0]), (
+        "ranks' data differ"
+    )
     reference = replay(records)
     assert min(reference["grad_norms"]) > float(CLIP), ("every step clips", reference["grad_norms"])
     saved = checkpoint(uninterrupted, STEPS)
@@ -88,18 +114,33 @@ def test_two_processes_train_like_one_process_on_their_batches(strategy, uninter
     for index, state in expected["state"].items():
         assert int(optimizer_state["state"][index]["step"]) == STEPS
         for moment in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(optimizer_state["state"][index][moment], state[moment], rtol=rtol,
-                                       atol=atol * state[moment].abs().max().item(),
-                                       msg=lambda m: f"parameter {index}'s {moment}: {m}")
-    assert [g["lr"] for g in optimizer_state["param_groups"]] == pytest.approx([g["lr"] for g in expected["param_groups"]])
+            torch.testing.assert_close(
+                optimizer_state["state"][index][moment],
+                state[moment],
+                rtol=rtol,
+                atol=atol * state[moment].abs().max().item(),
+                msg=lambda m: f"parameter {index}'s {moment}: {m}",
+            )
+    assert [g["lr"] for g in optimizer_state["param_groups"]] == pytest.approx(
+        [g["lr"] for g in expected["param_groups"]]
+    )
 
 
 @pytest.mark.parametrize("strategy", RESUMED, scope="module")
-def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(strategy, uninterrupted, train_py, tmp_path,
-                                                                   assert_same_training_state):
+def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(
+    strategy, uninterrupted, train_py, tmp_path, assert_same_training_state
+):
     (stop,) = uninterrupted.rglob(f"step={STOP_AT}.ckpt")
-    train_py.run_ok(*train_py.tiny, *RUN, "--strategy", *strategy.split(), "--ckpt_path", str(stop),
-                    *record_into(tmp_path), cwd=tmp_path)
+    train_py.run_ok(
+        *train_py.tiny,
+        *RUN,
+        "--strategy",
+        *strategy.split(),
+        "--ckpt_path",
+        str(stop),
+        *record_into(tmp_path),
+        cwd=tmp_path,
+    )
     whole, resumed = checkpoint(uninterrupted, STEPS), checkpoint(tmp_path, STEPS)
     assert_same_training_state(resumed, whole)
     assert whole["global_step"] == STEPS and whole["LMDataModule"] == {"train_batches_consumed": STEPS * ACCUMULATE}
@@ -107,7 +148,7 @@ def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(strategy, unin
     whole_records, resumed_records = load_records(uninterrupted), load_records(tmp_path)
     for rank, (before, after) in enumerate(zip(whole_records, resumed_records)):
         assert after["start_step"] == STOP_AT
-        continued = before["batches"][STOP_AT * ACCUMULATE:]
+        continued = before["batches"][STOP_AT * ACCUMULATE :]
         assert len(after["batches"]) == len(continued), rank
         for index, (a, b) in enumerate(zip(after["batches"], continued)):
             assert torch.equal(a, b), f"rank {rank}: micro-batch {STOP_AT * ACCUMULATE + index} differs"

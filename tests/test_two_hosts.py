@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB
 from replay_check import assert_trained_like_replay
 from test_train_py_four_processes import TRAINING
 from test_train_py_two_processes import CLIP, record_into
+
+from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB
 
 NODES, PER_NODE = 2, 2
 HOSTS = ["--num_nodes", str(NODES), "--devices", str(PER_NODE)]
@@ -33,16 +33,36 @@ def run_together(train_py, run_dir: Path, args: list[str], starts: list[dict]) -
 
 
 def torchrun(node_rank: int, port: int) -> list[str]:
-    return ["-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc_per_node", str(PER_NODE),
-            "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    return [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(NODES),
+        "--nproc_per_node",
+        str(PER_NODE),
+        "--node_rank",
+        str(node_rank),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+    ]
 
 
 def slurm_task(train_py, rank: int, port: int) -> dict[str, str]:
     """What `srun` sets for task ``rank`` of a job step on two nodes of two tasks (Lightning's SLURMEnvironment)."""
     return train_py.environment(
-        SLURM_JOB_NAME="lm_systems", SLURM_JOB_ID="50", SLURM_NNODES=str(NODES), SLURM_NTASKS=str(NODES * PER_NODE),
-        SLURM_NTASKS_PER_NODE=str(PER_NODE), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % PER_NODE),
-        SLURM_NODEID=str(rank // PER_NODE), SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(port))
+        SLURM_JOB_NAME="lm_systems",
+        SLURM_JOB_ID="50",
+        SLURM_NNODES=str(NODES),
+        SLURM_NTASKS=str(NODES * PER_NODE),
+        SLURM_NTASKS_PER_NODE=str(PER_NODE),
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID=str(rank % PER_NODE),
+        SLURM_NODEID=str(rank // PER_NODE),
+        SLURM_NODELIST="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 @pytest.mark.parametrize("launch, strategy", [("torchrun", "bucketed_ddp"), ("slurm", "zero1")])

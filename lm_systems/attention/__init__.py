@@ -8,6 +8,10 @@ Every implementation is a function ``attn(q, k, v, is_causal) -> o`` over tensor
 
 import importlib.util
 
+# Importing the implementations registers them.
+from lm_systems.attention import naive as _naive  # noqa: F401
+from lm_systems.attention import sdpa as _sdpa  # noqa: F401
+from lm_systems.attention.flash_torch import FlashAttention2Torch
 from lm_systems.attention.registry import (
     AttentionFn,
     attention_names,
@@ -16,11 +20,6 @@ from lm_systems.attention.registry import (
     register_attention,
     resolve_attention_name,
 )
-
-# Importing the implementations registers them.
-from lm_systems.attention import naive as _naive  # noqa: F401
-from lm_systems.attention import sdpa as _sdpa  # noqa: F401
-from lm_systems.attention.flash_torch import FlashAttention2Torch
 
 __all__ = [
     "AttentionFn",
@@ -34,6 +33,6 @@ __all__ = [
 
 # Without triton installed, flash_triton is simply not registered (and ``auto`` falls back).
 if importlib.util.find_spec("triton") is not None:
-    from lm_systems.attention.flash_triton import FlashAttention2Triton
+    from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: F401  exported through __all__
 
     __all__.append("FlashAttention2Triton")

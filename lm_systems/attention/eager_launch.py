@@ -70,9 +70,9 @@ class CachedLaunch:
             return  # a pre-hook must run before each launch: leave it to Triton
         meta = {**kwargs, **(config.kwargs if config is not None else {})}
         names = self.kernel.arg_names
-        if set(names[len(args):]) != set(meta):
+        if set(names[len(args) :]) != set(meta):
             raise TypeError(
                 f"CachedLaunch needs every argument of the kernel, positional ones first and the rest by keyword; "
-                f"missing or unknown: {sorted(set(names[len(args):]) ^ set(meta))}"
+                f"missing or unknown: {sorted(set(names[len(args) :]) ^ set(meta))}"
             )
-        self._launches[key] = (compiled, tuple(meta[name] for name in names[len(args):]), meta)
+        self._launches[key] = (compiled, tuple(meta[name] for name in names[len(args) :]), meta)

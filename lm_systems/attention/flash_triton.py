@@ -146,10 +146,28 @@ class _Kernels(NamedTuple):
 # tunes each one once for the graph's shapes (over the same pruned candidates, or takes the choice stored on this
 # machine) and launches them from its generated code, without the dispatcher round trip or Triton's Python
 # autotuner and launcher on every call.
-_EAGER_KERNELS = _Kernels(*(CachedLaunch(kernel) for kernel in (
-    TUNED_FOR_EAGER["fwd"], attn_bwd_preprocess_kernel, TUNED_FOR_EAGER["dkdv"], TUNED_FOR_EAGER["dq"])))
-_COMPILED_KERNELS = _Kernels(*(wrap_triton(kernel) for kernel in (
-    TUNED_FOR_COMPILE["fwd"], attn_bwd_preprocess_kernel, TUNED_FOR_COMPILE["dkdv"], TUNED_FOR_COMPILE["dq"])))
+_EAGER_KERNELS = _Kernels(
+    *(
+        CachedLaunch(kernel)
+        for kernel in (
+            TUNED_FOR_EAGER["fwd"],
+            attn_bwd_preprocess_kernel,
+            TUNED_FOR_EAGER["dkdv"],
+            TUNED_FOR_EAGER["dq"],
+        )
+    )
+)
+_COMPILED_KERNELS = _Kernels(
+    *(
+        wrap_triton(kernel)
+        for kernel in (
+            TUNED_FOR_COMPILE["fwd"],
+            attn_bwd_preprocess_kernel,
+            TUNED_FOR_COMPILE["dkdv"],
+            TUNED_FOR_COMPILE["dq"],
+        )
+    )
+)
 
 
 def _forward(
@@ -164,15 +182,34 @@ def _forward(
 
     dims = _kernel_dims(d, n_q, n_k)
     kernels.fwd[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
-        q4, k4, v4, out4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4),
-        heads, n_q, n_k, 1.0 / math.sqrt(d), CAUSAL=is_causal, **dims,
+        q4,
+        k4,
+        v4,
+        out4,
+        lse,
+        *_strides(q4),
+        *_strides(k4),
+        *_strides(v4),
+        *_strides(out4),
+        heads,
+        n_q,
+        n_k,
+        1.0 / math.sqrt(d),
+        CAUSAL=is_causal,
+        **dims,
     )
     return out, lse
 
 
 def _backward(
-    kernels: _Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    grad_out: torch.Tensor, is_causal: bool,
+    kernels: _Kernels,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q4, k4, v4, o4, do4 = _as_bhnd(q), _as_bhnd(k), _as_bhnd(v), _as_bhnd(out), _as_bhnd(grad_out)
     batch, heads, n_q, d = q4.shape
@@ -187,8 +224,16 @@ def _backward(
 
     delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
     kernels.preprocess[(triton.cdiv(n_q, PREPROCESS_BLOCK), batch * heads)](
-        o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
-        HEAD_DIM=d, HEAD_DIM_PAD=dims["HEAD_DIM_PAD"], BLOCK_M=PREPROCESS_BLOCK,
+        o4,
+        do4,
+        delta,
+        *_strides(o4),
+        *_strides(do4),
+        heads,
+        n_q,
+        HEAD_DIM=d,
+        HEAD_DIM_PAD=dims["HEAD_DIM_PAD"],
+        BLOCK_M=PREPROCESS_BLOCK,
     )
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
@@ -196,14 +241,48 @@ def _backward(
     dq4, dk4, dv4 = _as_bhnd(dq), _as_bhnd(dk), _as_bhnd(dv)
 
     kernels.dkdv[_grid(n_k, "BLOCK_N", batch * heads, dims["HEADS_FIRST"])](
-        q4, k4, v4, do4, lse, delta, dk4, dv4,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk4), *_strides(dv4),
-        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, TMA=tma, **dims,
+        q4,
+        k4,
+        v4,
+        do4,
+        lse,
+        delta,
+        dk4,
+        dv4,
+        *_strides(q4),
+        *_strides(k4),
+        *_strides(v4),
+        *_strides(do4),
+        *_strides(dk4),
+        *_strides(dv4),
+        heads,
+        n_q,
+        n_k,
+        sm_scale,
+        CAUSAL=is_causal,
+        TMA=tma,
+        **dims,
     )
     kernels.dq[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
-        q4, k4, v4, do4, lse, delta, dq4,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq4),
-        heads, n_q, n_k, sm_scale, CAUSAL=is_causal, TMA=tma, **dims,
+        q4,
+        k4,
+        v4,
+        do4,
+        lse,
+        delta,
+        dq4,
+        *_strides(q4),
+        *_strides(k4),
+        *_strides(v4),
+        *_strides(do4),
+        *_strides(dq4),
+        heads,
+        n_q,
+        n_k,
+        sm_scale,
+        CAUSAL=is_causal,
+        TMA=tma,
+        **dims,
     )
     return dq, dk, dv
 
@@ -217,8 +296,13 @@ def _forward_op(
 
 @triton_op("lm_systems::flash_attention_backward", mutates_args=())
 def _backward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    grad_out: torch.Tensor, is_causal: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(_COMPILED_KERNELS, q, k, v, out, lse, grad_out, is_causal)
 
@@ -234,7 +318,12 @@ def flash_forward_triton(
 
 
 def flash_backward_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV: the D preprocess, then the dK/dV pass and the dQ pass."""
@@ -260,8 +349,12 @@ AUTO_MAX_SEQ_LEN = 2048
 def _faster_when_compiled(q: torch.Tensor) -> bool:
     """Where ``auto`` takes flash_triton inside torch.compile: fp16 / bf16 on CUDA, in the kernels' head dims, up to
     ``AUTO_MAX_SEQ_LEN`` query positions."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM
-            and q.shape[-2] <= AUTO_MAX_SEQ_LEN)
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM
+        and q.shape[-2] <= AUTO_MAX_SEQ_LEN
+    )
 
 
 def _device_problem(device_type: str) -> str | None:
@@ -270,9 +363,12 @@ def _device_problem(device_type: str) -> str | None:
     return "its Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)"
 
 
-@register_attention("flash_triton", when_compiled=_faster_when_compiled,
-                    takes=f"fp16 / bf16 CUDA queries of at most {AUTO_MAX_SEQ_LEN} positions",
-                    device_problem=_device_problem)
+@register_attention(
+    "flash_triton",
+    when_compiled=_faster_when_compiled,
+    takes=f"fp16 / bf16 CUDA queries of at most {AUTO_MAX_SEQ_LEN} positions",
+    device_problem=_device_problem,
+)
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """FlashAttention-2 in Triton (fp16 / bf16 / fp32, head dims 16..128)."""
     return FlashAttention2Triton.apply(q, k, v, is_causal)

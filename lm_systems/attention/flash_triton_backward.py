@@ -31,48 +31,109 @@ from lm_systems.attention.flash_triton_forward import (
 def _tile_source(X, n_rows, stride_n, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TMA: tl.constexpr):
     """Where a (BLOCK, HEAD_DIM) tile of X's rows is loaded from: a tensor descriptor, or X's pointer itself."""
     if TMA:
-        source = tl.make_tensor_descriptor(X, shape=[n_rows, HEAD_DIM], strides=[stride_n, 1],
-                                           block_shape=[BLOCK, HEAD_DIM])
+        source = tl.make_tensor_descriptor(
+            X, shape=[n_rows, HEAD_DIM], strides=[stride_n, 1], block_shape=[BLOCK, HEAD_DIM]
+        )
     else:
         source = X
     return source
 
 
 @triton.jit
-def _load_tile(source, start, stride_n, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-               BLOCK: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+def _load_tile(
+    source,
+    start,
+    stride_n,
+    n_rows,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """Rows [start, start + BLOCK) of a ``_tile_source``, zero past ``n_rows`` (if MASKED) and past HEAD_DIM."""
     if TMA:
         tile = source.load([start, 0])
     else:
         rows = start + tl.arange(0, BLOCK)
-        tile = _load_rows(source + rows[:, None] * stride_n + offs_d[None, :], rows, n_rows, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        tile = _load_rows(
+            source + rows[:, None] * stride_n + offs_d[None, :], rows, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED
+        )
     return tile
 
 
 @triton.jit(do_not_specialize=["num_heads", "n_q"])
-def attn_bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                               num_heads, n_q,
-                               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+def attn_bwd_preprocess_kernel(
+    O,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    num_heads,
+    n_q,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """D = rowsum(dO ∘ O), once per query row, so neither pass recomputes it per tile."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    o = _load_rows(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
-                   offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-    do = _load_rows(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
-                    offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    o = _load_rows(
+        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
+        offs_m,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        True,
+    )
+    do = _load_rows(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
+        offs_m,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        True,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_source, do_source, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d, lo, hi, n_q,
-                n_k, qk_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_source,
+    do_source,
+    LSE,
+    DELTA,
+    stride_qn,
+    stride_don,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    n_q,
+    n_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    TMA: tl.constexpr,
+):
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -106,13 +167,47 @@ def _dkdv_inner(dk, dv, k, v, q_source, do_source, LSE, DELTA, stride_qn, stride
 
 
 @triton.jit(do_not_specialize=["num_heads", "n_q", "n_k", "N_Q_KEY", "N_K_KEY"])
-def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
-                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                         num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr):
+def attn_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    num_heads,
+    n_q,
+    n_k,
+    sm_scale,
+    N_Q_KEY,
+    N_K_KEY,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """One program: BLOCK_N keys of one (batch, head); walks every query tile that sees them."""
     tile, _, bh = _program_tile(HEADS_FIRST)
     start_n = tile * BLOCK_N
@@ -129,10 +224,30 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    k = _load_tile(_tile_source(K, n_k, stride_kn, HEAD_DIM, BLOCK_N, TMA), start_n, stride_kn, n_k, offs_d,
-                   HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, TMA)
-    v = _load_tile(_tile_source(V, n_k, stride_vn, HEAD_DIM, BLOCK_N, TMA), start_n, stride_vn, n_k, offs_d,
-                   HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, TMA)
+    k = _load_tile(
+        _tile_source(K, n_k, stride_kn, HEAD_DIM, BLOCK_N, TMA),
+        start_n,
+        stride_kn,
+        n_k,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_N,
+        True,
+        TMA,
+    )
+    v = _load_tile(
+        _tile_source(V, n_k, stride_vn, HEAD_DIM, BLOCK_N, TMA),
+        start_n,
+        stride_vn,
+        n_k,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_N,
+        True,
+        TMA,
+    )
     q_source = _tile_source(Q, n_q, stride_qn, HEAD_DIM, BLOCK_M, TMA)
     do_source = _tile_source(DO, n_q, stride_don, HEAD_DIM, BLOCK_M, TMA)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
@@ -152,28 +267,129 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         diag_start = 0
         unmasked_start = 0
     # stage 1: query tiles crossing the diagonal, masked
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_source, do_source, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
-                         diag_start, tl.minimum(unmasked_start, ceil_end), n_q, n_k, qk_scale,
-                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, True, TMA)
+    dk, dv = _dkdv_inner(
+        dk,
+        dv,
+        k,
+        v,
+        q_source,
+        do_source,
+        LSE,
+        DELTA,
+        stride_qn,
+        stride_don,
+        offs_n,
+        offs_d,
+        diag_start,
+        tl.minimum(unmasked_start, ceil_end),
+        n_q,
+        n_k,
+        qk_scale,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_M,
+        CAUSAL,
+        True,
+        TMA,
+    )
     # stage 2: query tiles that see the whole key tile, no mask
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_source, do_source, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
-                         unmasked_start, full_end, n_q, n_k, qk_scale,
-                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, False, TMA)
+    dk, dv = _dkdv_inner(
+        dk,
+        dv,
+        k,
+        v,
+        q_source,
+        do_source,
+        LSE,
+        DELTA,
+        stride_qn,
+        stride_don,
+        offs_n,
+        offs_d,
+        unmasked_start,
+        full_end,
+        n_q,
+        n_k,
+        qk_scale,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_M,
+        CAUSAL,
+        False,
+        TMA,
+    )
     # stage 3: the ragged last query tile, masked (empty when stage 1 already reached it)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_source, do_source, LSE, DELTA, stride_qn, stride_don, offs_n, offs_d,
-                         tl.maximum(unmasked_start, full_end), ceil_end, n_q, n_k, qk_scale,
-                         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, CAUSAL, True, TMA)
+    dk, dv = _dkdv_inner(
+        dk,
+        dv,
+        k,
+        v,
+        q_source,
+        do_source,
+        LSE,
+        DELTA,
+        stride_qn,
+        stride_don,
+        offs_n,
+        offs_d,
+        tl.maximum(unmasked_start, full_end),
+        ceil_end,
+        n_q,
+        n_k,
+        qk_scale,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_M,
+        CAUSAL,
+        True,
+        TMA,
+    )
 
-    _store_rows(DK + offs_n[:, None] * stride_dkn + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-                offs_n, n_k, offs_d, HEAD_DIM, HEAD_DIM_PAD)
-    _store_rows(DV + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
-                offs_n, n_k, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    _store_rows(
+        DK + offs_n[:, None] * stride_dkn + offs_d[None, :],
+        (dk * sm_scale).to(DK.dtype.element_ty),
+        offs_n,
+        n_k,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+    )
+    _store_rows(
+        DV + offs_n[:, None] * stride_dvn + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        offs_n,
+        n_k,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+    )
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_source, v_source, stride_kn, stride_vn, offs_m, offs_d, lo, hi, n_q, n_k,
-              qk_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_source,
+    v_source,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    n_q,
+    n_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    TMA: tl.constexpr,
+):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -195,13 +411,43 @@ def _dq_inner(dq, q, do, lse2, delta, k_source, v_source, stride_kn, stride_vn, 
 
 
 @triton.jit(do_not_specialize=["num_heads", "n_q", "n_k", "N_Q_KEY", "N_K_KEY"])
-def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
-                       stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                       stride_dqb, stride_dqh, stride_dqn,
-                       num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
-                       HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr):
+def attn_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dqb,
+    stride_dqh,
+    stride_dqn,
+    num_heads,
+    n_q,
+    n_k,
+    sm_scale,
+    N_Q_KEY,
+    N_K_KEY,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """One program: BLOCK_M queries of one (batch, head); walks every key tile they see."""
     # Last query tiles first: under a causal mask they have the most keys to visit, and starting the
     # longest programs first leaves short ones, not long ones, for the tail of the launch.
@@ -219,10 +465,30 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    q = _load_tile(_tile_source(Q, n_q, stride_qn, HEAD_DIM, BLOCK_M, TMA), start_m, stride_qn, n_q, offs_d,
-                   HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, TMA)
-    do = _load_tile(_tile_source(DO, n_q, stride_don, HEAD_DIM, BLOCK_M, TMA), start_m, stride_don, n_q, offs_d,
-                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, True, TMA)
+    q = _load_tile(
+        _tile_source(Q, n_q, stride_qn, HEAD_DIM, BLOCK_M, TMA),
+        start_m,
+        stride_qn,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_M,
+        True,
+        TMA,
+    )
+    do = _load_tile(
+        _tile_source(DO, n_q, stride_don, HEAD_DIM, BLOCK_M, TMA),
+        start_m,
+        stride_don,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_M,
+        True,
+        TMA,
+    )
     k_source = _tile_source(K, n_k, stride_kn, HEAD_DIM, BLOCK_N, TMA)
     v_source = _tile_source(V, n_k, stride_vn, HEAD_DIM, BLOCK_N, TMA)
     # Rows past n_q read L = D = 0: their P is finite and, with dO = 0, their dS is zero.
@@ -233,10 +499,61 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     qk_scale = sm_scale * LOG2_E
 
     unmasked_end, masked_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_source, v_source, stride_kn, stride_vn, offs_m, offs_d, 0, unmasked_end,
-                   n_q, n_k, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, False, TMA)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_source, v_source, stride_kn, stride_vn, offs_m, offs_d, unmasked_end,
-                   masked_end, n_q, n_k, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, True, TMA)
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_source,
+        v_source,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        0,
+        unmasked_end,
+        n_q,
+        n_k,
+        qk_scale,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_N,
+        CAUSAL,
+        False,
+        TMA,
+    )
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_source,
+        v_source,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        unmasked_end,
+        masked_end,
+        n_q,
+        n_k,
+        qk_scale,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_N,
+        CAUSAL,
+        True,
+        TMA,
+    )
 
-    _store_rows(DQ + offs_m[:, None] * stride_dqn + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-                offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    _store_rows(
+        DQ + offs_m[:, None] * stride_dqn + offs_d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        offs_m,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+    )

@@ -27,8 +27,9 @@ FP32_DOT_PRECISION: tl.constexpr = tl.constexpr("tf32x3")
 
 
 @triton.jit
-def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-               CHECK_ROWS: tl.constexpr):
+def _load_rows(
+    ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CHECK_ROWS: tl.constexpr
+):
     """Load a (rows, HEAD_DIM_PAD) tile, zero past ``n_rows`` (if CHECK_ROWS) and past HEAD_DIM."""
     if CHECK_ROWS:
         mask = rows[:, None] < n_rows
@@ -75,15 +76,35 @@ def _key_ranges(start_m, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, lo, hi, n_q, n_k, qk_scale,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+def _attn_fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K,
+    V,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    n_q,
+    n_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kn + offs_d[None, :], cols, n_k, offs_d,
-                       HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        k = _load_rows(
+            K + cols[:, None] * stride_kn + offs_d[None, :], cols, n_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED
+        )
         s = tl.dot(q, tl.trans(k), input_precision=FP32_DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         # -- new running max, then probabilities relative to it
         if MASKED:
@@ -103,20 +124,46 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_rows(V + cols[:, None] * stride_vn + offs_d[None, :], cols, n_k, offs_d,
-                       HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        v = _load_rows(
+            V + cols[:, None] * stride_vn + offs_d[None, :], cols, n_k, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED
+        )
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=FP32_DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["num_heads", "n_q", "n_k", "N_Q_KEY", "N_K_KEY"])
-def attn_fwd_kernel(Q, K, V, O, LSE,
-                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                    num_heads, n_q, n_k, sm_scale, N_Q_KEY, N_K_KEY,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr):
+def attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    num_heads,
+    n_q,
+    n_k,
+    sm_scale,
+    N_Q_KEY,
+    N_K_KEY,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+):
     """One program: BLOCK_M query rows of one (batch, head); writes O and L for them."""
     # Last query tiles first: under a causal mask they have the most keys to visit, and starting the
     # longest programs first leaves short ones, not long ones, for the tail of the launch.
@@ -132,8 +179,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    q = _load_rows(Q + offs_m[:, None] * stride_qn + offs_d[None, :], offs_m, n_q, offs_d,
-                   HEAD_DIM, HEAD_DIM_PAD, True)
+    q = _load_rows(Q + offs_m[:, None] * stride_qn + offs_d[None, :], offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     sm_scale = tl.cast(sm_scale, tl.float32)  # Inductor passes a Python float as fp64
     qk_scale = sm_scale * LOG2_E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -142,18 +188,63 @@ def attn_fwd_kernel(Q, K, V, O, LSE,
 
     unmasked_end, masked_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
     # stage 1: tiles every row sees in full
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                    0, unmasked_end, n_q, n_k, qk_scale,
-                                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, False)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K,
+        V,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        0,
+        unmasked_end,
+        n_q,
+        n_k,
+        qk_scale,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_N,
+        CAUSAL,
+        False,
+    )
     # stage 2: the diagonal and the ragged end, masked
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d,
-                                    unmasked_end, masked_end, n_q, n_k, qk_scale,
-                                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CAUSAL, True)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K,
+        V,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        unmasked_end,
+        masked_end,
+        n_q,
+        n_k,
+        qk_scale,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        BLOCK_N,
+        CAUSAL,
+        True,
+    )
 
     # -- epilogue: rows that saw no key (causal with N_q > N_k) get O = 0 and L = -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN_2)
     tl.store(LSE + offs_m, lse, mask=offs_m < n_q)
-    _store_rows(O + offs_m[:, None] * stride_on + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, n_q,
-                offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    _store_rows(
+        O + offs_m[:, None] * stride_on + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        offs_m,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+
 import torch
 
 from lm_systems.attention.registry import register_attention

@@ -33,7 +33,9 @@ _DEVICE_PROBLEMS: dict[str, DeviceProblem] = {}
 
 
 def register_attention(
-    name: str, when_compiled: Callable[[torch.Tensor], bool] | None = None, takes: str = "the queries it takes",
+    name: str,
+    when_compiled: Callable[[torch.Tensor], bool] | None = None,
+    takes: str = "the queries it takes",
     device_problem: DeviceProblem | None = None,
 ) -> Callable[[AttentionFn], AttentionFn]:
     """Decorator: make ``fn`` available to the model as ``attention=name``; ``auto`` takes it inside

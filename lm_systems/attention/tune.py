@@ -28,8 +28,9 @@ def tune_shape(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dty
     """Seconds one forward + backward took at this shape, tuning included where nothing was stored."""
     from lm_systems.attention.flash_triton import FlashAttention2Triton
 
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)
+    )
     torch.cuda.synchronize()
     start = time.perf_counter()
     FlashAttention2Triton.apply(q, k, v, causal).backward(torch.ones_like(q))
@@ -61,8 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     for seq in args.seq:
         for head_dim in args.head_dim:
             seconds = tune_shape(args.batch, args.heads, seq, head_dim, DTYPES[args.dtype], args.causal)
-            print(f"B{args.batch} H{args.heads} N{seq} d{head_dim} {args.dtype}"
-                  f"{' causal' if args.causal else ''}: {seconds:.1f} s", flush=True)
+            print(
+                f"B{args.batch} H{args.heads} N{seq} d{head_dim} {args.dtype}"
+                f"{' causal' if args.causal else ''}: {seconds:.1f} s",
+                flush=True,
+            )
     print(f"tuned choices in {root}")
 
 

@@ -76,8 +76,14 @@ class TuningCache:
     @staticmethod
     def entry(kernel: str, source: str, device: str, key: tuple, candidates: list[triton.Config]) -> dict[str, Any]:
         """What identifies one tuning: everything a stored choice depends on."""
-        return {"kernel": kernel, "source": source, "triton": triton.__version__, "device": device,
-                "key": [str(part) for part in key], "candidates": [str(config) for config in candidates]}
+        return {
+            "kernel": kernel,
+            "source": source,
+            "triton": triton.__version__,
+            "device": device,
+            "key": [str(part) for part in key],
+            "candidates": [str(config) for config in candidates],
+        }
 
     def path(self, entry: dict[str, Any]) -> Path:
         return self.root / f"{entry['kernel']}-{fingerprint(entry, length=24)}.json"
@@ -140,10 +146,23 @@ class TunedKernel:
     source (a hash) so that an edited kernel tunes again; ``bench(launch)`` times one candidate in ms.
     """
 
-    def __init__(self, kernel: Any, configs: list[triton.Config], key: list[str], prune: Prune, source: str,
-                 bench: Callable[[Callable[[], Any]], float] = benchmark_ms):
+    def __init__(
+        self,
+        kernel: Any,
+        configs: list[triton.Config],
+        key: list[str],
+        prune: Prune,
+        source: str,
+        bench: Callable[[Callable[[], Any]], float] = benchmark_ms,
+    ):
         self.kernel, self.configs, self.key, self.prune, self.source, self.bench = (
-            kernel, configs, key, prune, source, bench)
+            kernel,
+            configs,
+            key,
+            prune,
+            source,
+            bench,
+        )
         self.arg_names: list[str] = kernel.arg_names
         self.cache: dict[tuple, triton.Config] = {}  # this process's choices, per tuning key
         self.best_config: triton.Config | None = None  # the last launch's
@@ -177,8 +196,9 @@ class TunedKernel:
 
     def _entry(self, candidates: list[triton.Config], named: dict[str, Any]) -> dict[str, Any]:
         device = next(value.device for value in named.values() if isinstance(value, torch.Tensor))
-        return TuningCache.entry(self.kernel.__name__, self.source, device_label(device), self.tuning_key(named),
-                                 candidates)
+        return TuningCache.entry(
+            self.kernel.__name__, self.source, device_label(device), self.tuning_key(named), candidates
+        )
 
     def _choose(self, key: tuple, grid, args: tuple, kwargs: dict, named: dict) -> triton.Config:
         candidates = self.prune(self.configs, named)
@@ -196,8 +216,10 @@ class TunedKernel:
         return config
 
     def _fastest(self, candidates: list[triton.Config], grid, args: tuple, kwargs: dict):
-        times = {config: self.bench(lambda: self.kernel[grid](*args, **kwargs, **config.all_kwargs()))
-                 for config in candidates}
+        times = {
+            config: self.bench(lambda: self.kernel[grid](*args, **kwargs, **config.all_kwargs()))
+            for config in candidates
+        }
         return min(times, key=times.get), {str(config): ms for config, ms in times.items()}
 
 
@@ -211,25 +233,49 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
     shapes): with tuning off the first that passes the prune rules runs; the last is small enough for fp32 at
     d = 128 and is the fallback when nothing else fits.
     """
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in candidates
-    ]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in candidates]
 
 
 # Forward and dQ: a program owns BLOCK_M queries and streams K, V in BLOCK_N tiles.
-FWD_CONFIGS = _configs([
-    (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 4, 3),
-    (64, 32, 4, 2),
-])
-DQ_CONFIGS = _configs([
-    (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 128, 8, 3),
-    (128, 32, 4, 4), (128, 32, 4, 5), (64, 32, 4, 2),
-])
+FWD_CONFIGS = _configs(
+    [
+        (128, 64, 8, 3),
+        (128, 64, 8, 4),
+        (64, 64, 4, 3),
+        (128, 64, 4, 4),
+        (128, 128, 8, 3),
+        (128, 64, 4, 3),
+        (64, 32, 4, 2),
+    ]
+)
+DQ_CONFIGS = _configs(
+    [
+        (64, 64, 4, 3),
+        (64, 64, 4, 4),
+        (128, 64, 8, 3),
+        (128, 64, 8, 4),
+        (128, 64, 4, 3),
+        (64, 128, 8, 3),
+        (128, 32, 4, 4),
+        (128, 32, 4, 5),
+        (64, 32, 4, 2),
+    ]
+)
 # dK/dV: a program owns BLOCK_N keys and streams Q, dO in BLOCK_M tiles.
-DKDV_CONFIGS = _configs([
-    (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 8, 3), (64, 128, 8, 4), (32, 128, 4, 3),
-    (32, 128, 4, 4), (32, 128, 4, 5), (32, 64, 4, 4), (32, 64, 4, 2),
-])
+DKDV_CONFIGS = _configs(
+    [
+        (64, 64, 4, 3),
+        (64, 64, 4, 4),
+        (128, 64, 8, 3),
+        (64, 128, 8, 3),
+        (64, 128, 8, 4),
+        (32, 128, 4, 3),
+        (32, 128, 4, 4),
+        (32, 128, 4, 5),
+        (32, 64, 4, 4),
+        (32, 64, 4, 2),
+    ]
+)
 INTERPRETER_CONFIG = {
     "fwd": triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1),
     "dq": triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1),
@@ -266,8 +312,11 @@ def _fitting(kind: str, configs: list[triton.Config], args: dict) -> list[triton
         if (config.num_stages * 2 * streamed + 2 * resident) * head_dim_pad * elem_bytes > limit:
             continue
         # fp32 registers per thread for the accumulators and score tiles; far past 255 means spills.
-        live = {"fwd": bm * head_dim_pad + bm * bn, "dq": bm * head_dim_pad + 2 * bm * bn,
-                "dkdv": 2 * bn * head_dim_pad + 2 * bm * bn}[kind]
+        live = {
+            "fwd": bm * head_dim_pad + bm * bn,
+            "dq": bm * head_dim_pad + 2 * bm * bn,
+            "dkdv": 2 * bn * head_dim_pad + 2 * bm * bn,
+        }[kind]
         if live / (32 * warps) > 256:
             continue
         kept.append(config)
@@ -292,21 +341,28 @@ def _pruner_for_inductor(kind: str):
 
 
 # What names the kernels' source in a tuning cache entry: an edit to either kernel file tunes again.
-KERNEL_SOURCE = fingerprint([Path(module.__file__).read_text() for module in (flash_triton_forward,
-                                                                              flash_triton_backward)])
-_KERNELS = {"fwd": (FWD_CONFIGS, attn_fwd_kernel, AUTOTUNE_KEY),
-            "dq": (DQ_CONFIGS, attn_bwd_dq_kernel, BACKWARD_AUTOTUNE_KEY),
-            "dkdv": (DKDV_CONFIGS, attn_bwd_dkdv_kernel, BACKWARD_AUTOTUNE_KEY)}
+KERNEL_SOURCE = fingerprint(
+    [Path(module.__file__).read_text() for module in (flash_triton_forward, flash_triton_backward)]
+)
+_KERNELS = {
+    "fwd": (FWD_CONFIGS, attn_fwd_kernel, AUTOTUNE_KEY),
+    "dq": (DQ_CONFIGS, attn_bwd_dq_kernel, BACKWARD_AUTOTUNE_KEY),
+    "dkdv": (DKDV_CONFIGS, attn_bwd_dkdv_kernel, BACKWARD_AUTOTUNE_KEY),
+}
 # Eager launches: tuned once per machine (TunedKernel consults the tuning cache itself).
-TUNED_FOR_EAGER = {kind: TunedKernel(kernel, configs, key, partial(_fitting, kind), KERNEL_SOURCE)
-         for kind, (configs, kernel, key) in _KERNELS.items()}
+TUNED_FOR_EAGER = {
+    kind: TunedKernel(kernel, configs, key, partial(_fitting, kind), KERNEL_SOURCE)
+    for kind, (configs, kernel, key) in _KERNELS.items()
+}
 # Launches from torch.compile's graphs (wrap_triton takes a triton.jit or triton.autotune kernel).
-TUNED_FOR_COMPILE = {kind: triton.autotune(configs, key=key,
-                                   prune_configs_by={"early_config_prune": _pruner_for_inductor(kind)})(kernel)
-             for kind, (configs, kernel, key) in _KERNELS.items()}
+TUNED_FOR_COMPILE = {
+    kind: triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": _pruner_for_inductor(kind)})(kernel)
+    for kind, (configs, kernel, key) in _KERNELS.items()
+}
 
 
 def tuned_configs() -> dict[str, dict[tuple, str]]:
     """The config each eager kernel chose, per tuning key, so benchmark results can say what ran."""
-    return {kind: {key: str(config) for key, config in kernel.cache.items()}
-            for kind, kernel in TUNED_FOR_EAGER.items()}
+    return {
+        kind: {key: str(config) for key, config in kernel.cache.items()} for kind, kernel in TUNED_FOR_EAGER.items()
+    }

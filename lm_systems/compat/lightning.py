@@ -25,7 +25,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.nn import Module
 from typing_extensions import override
 
-
 # -- functions ---------------------------------------------------------------------------------------------------
 
 
@@ -54,7 +53,8 @@ def accumulates_this_batch(trainer: Trainer) -> bool:
 
 
 def compute_dtype(trainer: Trainer) -> torch.dtype:
-    """The dtype the trainer's precision plugin computes in (bf16 under ``bf16-mixed``), as ThroughputMonitor reads it."""
+    """The dtype the trainer's precision plugin computes in (bf16 under ``bf16-mixed``), as ThroughputMonitor reads
+    it."""
     return _plugin_to_compute_dtype(trainer.precision_plugin)
 
 
@@ -102,7 +102,7 @@ def replace_sigterm_agreement(trainer: Trainer, notify: Callable[[int, Any], Non
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check
 
 
-# -- base classes for Lightning classes whose behaviour lives in private methods ----------------------------------------
+# -- base classes for Lightning classes whose behaviour lives in private methods -----------------------------------
 
 
 class CommandLineOverCheckpointCLI(LightningCLI):

@@ -25,8 +25,9 @@ def compiled_whole(module: torch.nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def launched_as_one(group: dist.ProcessGroup, device: torch.device,
-                    issue: Callable[[], list[dist.Work]]) -> list[dist.Work]:
+def launched_as_one(
+    group: dist.ProcessGroup, device: torch.device, issue: Callable[[], list[dist.Work]]
+) -> list[dist.Work]:
     """Run ``issue``, which launches collectives on ``group``, so that a backend able to group them (NCCL: one group
     call, one kernel) launches them together, else one by one; the Works to wait for. torch groups only all-reduces,
     all-gathers and reduce-scatters in public (``allreduce_coalesced``, ...); others, such as reduces to different
@@ -94,5 +95,9 @@ def sdpa_kernel_ops() -> set:
     """The aten ops ``scaled_dot_product_attention`` dispatches to on each backend (flash, memory-efficient, cuDNN,
     the CPU's flash), whose outputs an activation checkpointing policy tells apart from other ops."""
     aten = torch.ops.aten
-    return {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+    return {
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }

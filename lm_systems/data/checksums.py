@@ -44,8 +44,11 @@ class BlockChecksum:
 
     def record(self) -> dict[str, Any]:
         partial = [self._crc] if self.size % self.block_bytes else []
-        return {"bytes": self.size, "block_bytes": self.block_bytes,
-                "crc32": [f"{crc:08x}" for crc in self._crcs + partial]}
+        return {
+            "bytes": self.size,
+            "block_bytes": self.block_bytes,
+            "crc32": [f"{crc:08x}" for crc in self._crcs + partial],
+        }
 
 
 def damage(path: Path, record: Any) -> Optional[str]:

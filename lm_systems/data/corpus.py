@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from lm_systems.data.cache_files import file_identity
-from lm_systems.fingerprint import fingerprint
 from lm_systems.data.generated_corpus import GENERATOR_VERSION, ensure_generated_corpus
 from lm_systems.data.hf_cache import checked_load
 from lm_systems.errors import InputError
+from lm_systems.fingerprint import fingerprint
 
 if TYPE_CHECKING:  # `datasets` is imported where a corpus is read: `train.py --help` does without it
     from datasets import Dataset, DatasetDict
@@ -98,11 +98,13 @@ def load_corpus(source: CorpusSource, cache_dir: str | Path, text_column: str) -
     if source.kind == GENERATED:
         ensure_generated_corpus(source.location, source.identity["num_stories"], source.identity["seed"])
     if source.kind in (GENERATED, "text"):
-        loaded = checked_load(hf_cache, lambda: load_dataset("text", data_files=source.location, keep_linebreaks=True,
-                                                             cache_dir=hf_cache))
+        loaded = checked_load(
+            hf_cache, lambda: load_dataset("text", data_files=source.location, keep_linebreaks=True, cache_dir=hf_cache)
+        )
     elif source.kind in ("json", "parquet"):
-        loaded = checked_load(hf_cache, lambda: load_dataset(source.kind, data_files=source.location,
-                                                             cache_dir=hf_cache))
+        loaded = checked_load(
+            hf_cache, lambda: load_dataset(source.kind, data_files=source.location, cache_dir=hf_cache)
+        )
     elif source.kind == "saved":
         loaded = load_from_disk(source.location)  # the user's own folder, not this cache's
     else:
@@ -149,7 +151,7 @@ def require_utf8(path: Path, spec: str, chunk_bytes: int = 1 << 20) -> None:
             except UnicodeDecodeError as error:
                 raise InputError(
                     f"--data.corpus {spec!r}: {str(path)!r} is not UTF-8 text (byte {offset + error.start} is "
-                    f"{chunk[error.start:error.start + 1]!r}); pass a text file in UTF-8 (convert with "
+                    f"{chunk[error.start : error.start + 1]!r}); pass a text file in UTF-8 (convert with "
                     "`iconv -f <its encoding> -t UTF-8`), or a .parquet file or saved dataset"
                 ) from error
             if not chunk:

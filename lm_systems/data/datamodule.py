@@ -14,14 +14,14 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from lm_systems.data.cache_files import cache_lock
-from lm_systems.fingerprint import fingerprint
 from lm_systems.data.checksums import sidecar_damage
 from lm_systems.data.corpus import CorpusSource, LazyCorpus, iter_texts, resolve_corpus
+from lm_systems.data.synthetic import SyntheticTrainStream, SyntheticValidation
 from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_token_cache, token_cache_entry
 from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
-from lm_systems.data.synthetic import SyntheticTrainStream, SyntheticValidation
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
 from lm_systems.errors import InputError
+from lm_systems.fingerprint import fingerprint
 
 TOKENIZER_TRAINING_CHARS = 200_000_000
 """BPE trains on at most this much of the training text (~10% of TinyStories): plenty for a 10k vocabulary."""
@@ -110,7 +110,8 @@ class LMDataModule(L.LightningDataModule):
         self.synthetic = synthetic
         # Checked now so a typo fails before any model is built; nothing is read yet.
         self._source: CorpusSource | None = (
-            None if synthetic else resolve_corpus(corpus, self.cache_dir, generated_stories, seed))
+            None if synthetic else resolve_corpus(corpus, self.cache_dir, generated_stories, seed)
+        )
         self._prepared: PreparedData | None = None
         self._train_start_batch = 0
 
@@ -168,8 +169,17 @@ class LMDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self._rank_and_world_size()
         if self.synthetic:
-            return self._loader(SyntheticTrainStream(self.vocab_size, self.context_length, self.batch_size, self.seed,
-                                                     rank, world_size, start_batch=self._train_start_batch))
+            return self._loader(
+                SyntheticTrainStream(
+                    self.vocab_size,
+                    self.context_length,
+                    self.batch_size,
+                    self.seed,
+                    rank,
+                    world_size,
+                    start_batch=self._train_start_batch,
+                )
+            )
         stream = TrainWindowStream(
             self._prepare().tokens.path("train"),
             self.context_length,
@@ -185,8 +195,17 @@ class LMDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         rank, world_size = self._rank_and_world_size()
         if self.synthetic:
-            return self._loader(SyntheticValidation(self.vocab_size, self.context_length, self.batch_size,
-                                                    self.val_batches * self.batch_size, self.seed, rank, world_size))
+            return self._loader(
+                SyntheticValidation(
+                    self.vocab_size,
+                    self.context_length,
+                    self.batch_size,
+                    self.val_batches * self.batch_size,
+                    self.seed,
+                    rank,
+                    world_size,
+                )
+            )
         tokens = self._prepare().tokens
         starts = validation_window_starts(
             tokens.meta["tokens"]["validation"], self.context_length, self.val_batches * self.batch_size, world_size
@@ -262,8 +281,9 @@ class LMDataModule(L.LightningDataModule):
                 return load_tokenizer(path)
             warnings.warn(f"the cached tokenizer is damaged: {problem}; training it again", stacklevel=2)
         train_split = corpus.get()["train"]
-        rank_zero_info(f"training a byte-level BPE of up to {self.target_vocab_size} tokens (--data.vocab_size) on "
-                       f"{self.corpus!r}")
+        rank_zero_info(
+            f"training a byte-level BPE of up to {self.target_vocab_size} tokens (--data.vocab_size) on {self.corpus!r}"
+        )
         texts = iter_texts(train_split, TOKENIZER_TRAINING_CHARS)
         tokenizer = train_bpe_tokenizer(texts, self.target_vocab_size)
         if tokenizer.get_vocab_size() < self.target_vocab_size:
@@ -275,9 +295,11 @@ class LMDataModule(L.LightningDataModule):
         return tokenizer
 
     def _tokenizer_key(self) -> str:
-        return fingerprint({
-            "corpus": self._source.identity,
-            "text_column": self.text_column,
-            "vocab_size": self.target_vocab_size,
-            "training_chars": TOKENIZER_TRAINING_CHARS,
-        })
+        return fingerprint(
+            {
+                "corpus": self._source.identity,
+                "text_column": self.text_column,
+                "vocab_size": self.target_vocab_size,
+                "training_chars": TOKENIZER_TRAINING_CHARS,
+            }
+        )

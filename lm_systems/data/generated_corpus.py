@@ -22,43 +22,160 @@ GENERATOR_VERSION = 1
 """Bump whenever the grammar changes: cached corpora, tokenizers and tokens are keyed on it."""
 
 GIRLS = (
-    "Lily", "Mia", "Sue", "Anna", "Emma", "Lucy", "Zoe", "Ella", "Rosa", "Kim", "Amy", "Nina",
-    "Sara", "Ivy", "Ruby", "Daisy", "Molly", "Grace", "Hannah", "Jane",
+    "Lily",
+    "Mia",
+    "Sue",
+    "Anna",
+    "Emma",
+    "Lucy",
+    "Zoe",
+    "Ella",
+    "Rosa",
+    "Kim",
+    "Amy",
+    "Nina",
+    "Sara",
+    "Ivy",
+    "Ruby",
+    "Daisy",
+    "Molly",
+    "Grace",
+    "Hannah",
+    "Jane",
 )
 BOYS = (
-    "Tom", "Ben", "Max", "Sam", "Leo", "Jack", "Tim", "Finn", "Joe", "Dan", "Noah", "Owen",
-    "Bob", "Jake", "Luke", "Oscar", "Peter", "Ryan", "Timmy", "Adam",
+    "Tom",
+    "Ben",
+    "Max",
+    "Sam",
+    "Leo",
+    "Jack",
+    "Tim",
+    "Finn",
+    "Joe",
+    "Dan",
+    "Noah",
+    "Owen",
+    "Bob",
+    "Jake",
+    "Luke",
+    "Oscar",
+    "Peter",
+    "Ryan",
+    "Timmy",
+    "Adam",
 )
 KINDS = (
-    "girl", "boy", "cat", "dog", "bunny", "bear", "bird", "duck", "fox", "frog", "mouse", "lion",
-    "owl", "pig", "puppy", "kitten",
+    "girl",
+    "boy",
+    "cat",
+    "dog",
+    "bunny",
+    "bear",
+    "bird",
+    "duck",
+    "fox",
+    "frog",
+    "mouse",
+    "lion",
+    "owl",
+    "pig",
+    "puppy",
+    "kitten",
 )
 ADJECTIVES = (
-    "little", "small", "happy", "brave", "kind", "shy", "curious", "silly", "friendly", "clever",
-    "gentle", "tiny", "funny", "quiet", "old", "young",
+    "little",
+    "small",
+    "happy",
+    "brave",
+    "kind",
+    "shy",
+    "curious",
+    "silly",
+    "friendly",
+    "clever",
+    "gentle",
+    "tiny",
+    "funny",
+    "quiet",
+    "old",
+    "young",
 )
 PLACES = (
-    "park", "garden", "forest", "beach", "farm", "river", "hill", "house", "school", "town",
-    "lake", "zoo", "field", "yard", "meadow", "village", "pond", "playground",
+    "park",
+    "garden",
+    "forest",
+    "beach",
+    "farm",
+    "river",
+    "hill",
+    "house",
+    "school",
+    "town",
+    "lake",
+    "zoo",
+    "field",
+    "yard",
+    "meadow",
+    "village",
+    "pond",
+    "playground",
 )
 TOYS = (
-    "ball", "kite", "toy car", "red hat", "blue box", "big drum", "shiny stone", "book", "doll",
-    "boat", "balloon", "shell", "teddy bear", "orange ball", "old map", "yellow truck", "little train",
-    "green whistle", "umbrella", "puzzle",
+    "ball",
+    "kite",
+    "toy car",
+    "red hat",
+    "blue box",
+    "big drum",
+    "shiny stone",
+    "book",
+    "doll",
+    "boat",
+    "balloon",
+    "shell",
+    "teddy bear",
+    "orange ball",
+    "old map",
+    "yellow truck",
+    "little train",
+    "green whistle",
+    "umbrella",
+    "puzzle",
 )
 FOODS = ("apple", "cake", "cookie", "sandwich", "orange", "banana", "pie", "carrot", "egg", "muffin")
 HIDING_SPOTS = (
-    "under the bed", "behind a tree", "in the grass", "under a big rock", "in a box", "near the door",
-    "under the table", "behind the sofa", "in the sand", "next to the pond",
+    "under the bed",
+    "behind a tree",
+    "in the grass",
+    "under a big rock",
+    "in a box",
+    "near the door",
+    "under the table",
+    "behind the sofa",
+    "in the sand",
+    "next to the pond",
 )
 GAMES = ("play", "run", "jump", "sing", "dance", "read", "draw", "swim", "climb", "dig")
 GAMES_PAST = {
-    "play": "played", "run": "ran", "jump": "jumped", "sing": "sang", "dance": "danced",
-    "read": "read", "draw": "drew", "swim": "swam", "climb": "climbed", "dig": "dug",
+    "play": "played",
+    "run": "ran",
+    "jump": "jumped",
+    "sing": "sang",
+    "dance": "danced",
+    "read": "read",
+    "draw": "drew",
+    "swim": "swam",
+    "climb": "climbed",
+    "dig": "dug",
 }
 INDOOR_GAMES = (
-    "built a tower of blocks", "played a game of cards", "drew pictures of the sun",
-    "read a book about the sea", "baked cookies with Mom", "made a fort with pillows",
+    "built a tower of blocks",
+    "played a game of cards",
+    "drew pictures of the sun",
+    "read a book about the sea",
+    "baked cookies with Mom",
+    "made a fort with pillows",
 )
 NOISE_MAKERS = ("a little bird", "a small frog", "the wind", "a happy dog", "an old cow", "a baby duck")
 MORALS = {
@@ -99,12 +216,14 @@ def with_article(noun: str) -> str:
 
 
 def _opening(rng: random.Random, hero: Character, place: str) -> str:
-    return rng.choice((
-        f"Once upon a time, there was {with_article(hero.adjective)} {hero.kind} named {hero.name}.",
-        f"Once upon a time, {with_article(hero.adjective)} {hero.kind} named {hero.name} lived near the {place}.",
-        f"One day, {with_article(hero.adjective)} {hero.kind} named {hero.name} went to the {place}.",
-        f"{hero.name} was {with_article(hero.adjective)} {hero.kind} who lived by the {place}.",
-    ))
+    return rng.choice(
+        (
+            f"Once upon a time, there was {with_article(hero.adjective)} {hero.kind} named {hero.name}.",
+            f"Once upon a time, {with_article(hero.adjective)} {hero.kind} named {hero.name} lived near the {place}.",
+            f"One day, {with_article(hero.adjective)} {hero.kind} named {hero.name} went to the {place}.",
+            f"{hero.name} was {with_article(hero.adjective)} {hero.kind} who lived by the {place}.",
+        )
+    )
 
 
 def _lost(rng: random.Random, hero: Character, friend: Character, place: str, toy: str) -> list[str]:
@@ -201,11 +320,13 @@ def generate_story(rng: random.Random) -> str:
         f"{hero.name} loved to {game} with {hero.his} {toy}.",
         f"{hero.he.capitalize()} had a friend named {friend.name}, {with_article(friend.adjective)} {friend.kind}.",
         *PLOTS[plot](rng, hero, friend, place, toy),
-        rng.choice((
-            f"From that day on, {hero.name} and {friend.name} were best friends.",
-            f"{hero.name} learned that {rng.choice(MORALS[plot])}.",
-            f"{hero.name} and {friend.name} learned that {rng.choice(MORALS[plot])}.",
-        )),
+        rng.choice(
+            (
+                f"From that day on, {hero.name} and {friend.name} were best friends.",
+                f"{hero.name} learned that {rng.choice(MORALS[plot])}.",
+                f"{hero.name} and {friend.name} learned that {rng.choice(MORALS[plot])}.",
+            )
+        ),
         "The end." if rng.random() < 0.5 else "",
     ]
     return " ".join(s for s in sentences if s)
@@ -229,7 +350,8 @@ def write_generated_corpus(path: str | Path, num_stories: int, seed: int) -> Pat
 
 
 def ensure_generated_corpus(path: str | Path, num_stories: int, seed: int) -> Path:
-    """The corpus at ``path``: written if missing, and again (with a warning naming it) if it is not what was written."""
+    """The corpus at ``path``: written if missing, and again (with a warning naming it) if it is not what was
+    written."""
     path = Path(path)
     if path.is_file():
         problem = sidecar_damage(path)

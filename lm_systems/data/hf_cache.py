@@ -49,6 +49,8 @@ def _remove_damaged(hf_cache: Path) -> None:
             continue
         problem = sidecar_damage(path)
         if problem is not None:
-            warnings.warn(f"the datasets cache is damaged: {problem}; preparing {str(path.parent)!r} again from the "
-                          "corpus", stacklevel=3)
+            warnings.warn(
+                f"the datasets cache is damaged: {problem}; preparing {str(path.parent)!r} again from the corpus",
+                stacklevel=3,
+            )
             shutil.rmtree(path.parent)

@@ -30,8 +30,16 @@ def synthetic_batch(key: list[int], batch_size: int, window: int, vocab_size: in
 class SyntheticTrainStream(BatchStream):
     """Endless (batch_size, context_length + 1) batches of random ids for one rank, from ``start_batch`` on."""
 
-    def __init__(self, vocab_size: int, context_length: int, batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, start_batch: int = 0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        context_length: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_batch: int = 0,
+    ) -> None:
         super().__init__(context_length, batch_size, seed, rank, world_size, start_batch)
         self.vocab_size = vocab_size
 
@@ -44,10 +52,12 @@ class SyntheticValidation(IterableDataset):
     """This rank's share of ``windows`` fixed random validation windows (every ``world_size``-th), in batches; the
     same windows on any number of ranks."""
 
-    def __init__(self, vocab_size: int, context_length: int, batch_size: int, windows: int, seed: int, rank: int,
-                 world_size: int) -> None:
-        every = synthetic_batch([seed, windows, 0, 0, VALIDATION], windows - windows % world_size, context_length + 1,
-                                vocab_size)
+    def __init__(
+        self, vocab_size: int, context_length: int, batch_size: int, windows: int, seed: int, rank: int, world_size: int
+    ) -> None:
+        every = synthetic_batch(
+            [seed, windows, 0, 0, VALIDATION], windows - windows % world_size, context_length + 1, vocab_size
+        )
         self.windows = every[rank::world_size]
         self.batch_size = batch_size
 

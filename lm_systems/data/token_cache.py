@@ -24,17 +24,19 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from lm_systems.atomic_files import atomic_write_path, write_errors_named
-from lm_systems.fingerprint import fingerprint
 from lm_systems.data.checksums import BlockChecksum, damage, sidecar, sidecar_damage, write_checked_json
 from lm_systems.data.corpus import CorpusSource
 from lm_systems.data.tokenizer import END_OF_TEXT, tokenizer_fingerprint
 from lm_systems.errors import InputError
+from lm_systems.fingerprint import fingerprint
 
 if TYPE_CHECKING:  # `datasets` is imported where a cache is built: `train.py --help` does without it
     from datasets import Dataset, DatasetDict
 
 META_FILE = "meta.json"
 SPLITS = ("train", "validation")
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type that holds every id: uint16 up to 65,536 tokens, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
@@ -59,12 +61,14 @@ def token_cache_entry(
     cache_dir: str | Path, source: CorpusSource, tokenizer: Tokenizer, text_column: str, val_fraction: float
 ) -> Path:
     """The folder of the entry for this corpus, tokenizer and split settings (complete or not)."""
-    key = fingerprint({
-        "corpus": source.identity,
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-        "text_column": text_column,
-        "val_fraction": val_fraction,
-    })
+    key = fingerprint(
+        {
+            "corpus": source.identity,
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "text_column": text_column,
+            "val_fraction": val_fraction,
+        }
+    )
     return Path(cache_dir) / "tokens" / key
 
 

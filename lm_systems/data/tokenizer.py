@@ -79,6 +79,8 @@ def tokenizer_mismatch(saved: Optional[str], current: Optional[str]) -> Optional
         tokenizer = Tokenizer.from_str(text)
         return f"{tokenizer.get_vocab_size()} tokens, fingerprint {tokenizer_fingerprint(tokenizer)}"
 
-    return (f"the data's tokenizer ({describe(current)}) is not the checkpoint's ({describe(saved)}): the model's ids "
-            "would mean other text; resume with the --data.corpus, --data.vocab_size and --data.tokenizer it was "
-            "trained with")
+    return (
+        f"the data's tokenizer ({describe(current)}) is not the checkpoint's ({describe(saved)}): the model's ids "
+        "would mean other text; resume with the --data.corpus, --data.vocab_size and --data.tokenizer it was "
+        "trained with"
+    )

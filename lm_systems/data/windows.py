@@ -71,8 +71,9 @@ class BatchStream(IterableDataset):
     of (seed, world size, rank, k), so resuming and DataLoader workers need no state. ``source`` is what ``open``
     gives in the process that iterates (a memmap is opened there, not pickled into a worker whole)."""
 
-    def __init__(self, context_length: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 start_batch: int = 0) -> None:
+    def __init__(
+        self, context_length: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, start_batch: int = 0
+    ) -> None:
         self.window = context_length + 1
         self.batch_size = batch_size
         self.seed = seed

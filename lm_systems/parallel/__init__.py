@@ -13,8 +13,13 @@
 """
 
 from lm_systems.parallel.base import DataParallelModule
-from lm_systems.parallel.bucketed import (BucketedDDP, assign_buckets, default_bucket_size_mb, gradient_buckets,
-                                         runs_within_buckets)
+from lm_systems.parallel.bucketed import (
+    BucketedDDP,
+    assign_buckets,
+    default_bucket_size_mb,
+    gradient_buckets,
+    runs_within_buckets,
+)
 from lm_systems.parallel.collectives import gradient_process_group
 from lm_systems.parallel.fully_sharded import FullyShardedDataParallel
 from lm_systems.parallel.naive import NaiveDDP

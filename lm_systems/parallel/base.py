@@ -37,8 +37,12 @@ class DataParallelModule(nn.Module, ABC):
     another dtype (``torch.bfloat16``: half the bytes of fp32) and casts the mean back.
     """
 
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        grad_comm_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         require_process_group(type(self).__name__)
         self.module = module

@@ -95,10 +95,17 @@ class BucketedDDP(OverlappedDDP):
     through the forward pass.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False) -> None:
-        super().__init__(module, gradient_buckets(module, bucket_size_mb), process_group, grad_comm_dtype,
-                         launch_thread)
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_size_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None,
+        grad_comm_dtype: torch.dtype | None = None,
+        launch_thread: bool = False,
+    ) -> None:
+        super().__init__(
+            module, gradient_buckets(module, bucket_size_mb), process_group, grad_comm_dtype, launch_thread
+        )
         self.bucket_size_mb = bucket_size_mb
 
     @property

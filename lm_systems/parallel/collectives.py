@@ -25,8 +25,9 @@ class PendingAverage:
 
     __slots__ = ("_sent", "_work", "_divisor", "_targets")
 
-    def __init__(self, sent: list[torch.Tensor], work: dist.Work | _AllOf, divisor: int | None,
-                 targets: list[torch.Tensor]) -> None:
+    def __init__(
+        self, sent: list[torch.Tensor], work: dist.Work | _AllOf, divisor: int | None, targets: list[torch.Tensor]
+    ) -> None:
         self._sent, self._work, self._divisor, self._targets = sent, work, divisor, targets
 
     def wait(self) -> list[torch.Tensor]:
@@ -83,8 +84,11 @@ class GradientAverager:
         NCCL the reduces go out as one grouped launch, as ``allreduce_coalesced`` does for all-reduces."""
         sent, native_avg = self._for_the_wire(tensors)
         op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
-        works = launched_as_one(self.group, sent[0].device, lambda: [
-            self.group.reduce([t], self._reduce_options(owner, op)) for t, owner in zip(sent, owners)])
+        works = launched_as_one(
+            self.group,
+            sent[0].device,
+            lambda: [self.group.reduce([t], self._reduce_options(owner, op)) for t, owner in zip(sent, owners)],
+        )
         return PendingAverage(sent, _AllOf(works), None if native_avg else self.world_size, tensors)
 
     def _reduce_options(self, root: int, op: dist.ReduceOp) -> dist.ReduceOptions:

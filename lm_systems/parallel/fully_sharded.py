@@ -11,12 +11,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lm_systems.compat.torch import (compiled_whole, foreach_norm, queue_end_of_backward, set_module_parameter,
-                                     tree_flatten, tree_unflatten)
+from lm_systems.compat.torch import (
+    compiled_whole,
+    foreach_norm,
+    queue_end_of_backward,
+    set_module_parameter,
+    tree_flatten,
+    tree_unflatten,
+)
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.collectives import GradPresence
 from lm_systems.parallel.sharded_unit import PendingReduction, ShardedParam, ShardedUnit, shard_rows
-
 
 DEFAULT_UNIT_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
 """Every linear or embedding layer outside the units the caller names."""
@@ -42,12 +47,13 @@ class FullyShardedDataParallel(DataParallelModule):
     forward and its backward, gradients reduce-scattered back into the shards.
 
     Units are the submodules the caller names in ``units`` (a TransformerLM's blocks, say) and the outermost
-    submodules of ``unit_types`` outside them (default: every nn.Linear / nn.Embedding). A unit's parameter of
-    shape (rows, *rest) becomes, on rank r, an nn.Parameter of shape (ceil(rows / N), *rest) holding rows r·⌈rows/N⌉ onwards (the last ranks'
-    padded with zero rows), registered under the same name, so ``module.named_parameters()`` are what an
-    optimizer steps and they keep their names, dims and modules (weight-decay grouping by module type or
-    ndim still works). Parameters outside the units (norm weights outside blocks), scalars, and parameters
-    shared by several units stay whole on every rank, their gradients averaged after backward.
+    submodules of ``unit_types`` outside them (default: every nn.Linear / nn.Embedding). A unit's parameter of shape
+    (rows, *rest) becomes, on rank r, an nn.Parameter of shape (ceil(rows / N), *rest) holding rows r·⌈rows/N⌉
+    onwards (the last ranks' padded with zero rows), registered under the same name, so
+    ``module.named_parameters()`` are what an optimizer steps and they keep their names, dims and modules
+    (weight-decay grouping by module type or ndim still works). Parameters outside the units (norm weights outside
+    blocks), scalars, and parameters shared by several units stay whole on every rank, their gradients averaged
+    after backward.
 
     Per unit and step: before its forward, its shards are all-gathered (in ``compute_dtype``, if given,
     which floating inputs are cast to as well) into full leaf parameters the unit computes with; after its
@@ -73,10 +79,16 @@ class FullyShardedDataParallel(DataParallelModule):
     single-process training; an optimizer that takes per-tensor norms (LAMB, Adafactor) sees shards.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
-                 units: Iterable[nn.Module] = (), unit_types: Iterable[type[nn.Module]] = DEFAULT_UNIT_TYPES,
-                 process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None, prefetch: int = 1) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        compute_dtype: torch.dtype | None = None,
+        units: Iterable[nn.Module] = (),
+        unit_types: Iterable[type[nn.Module]] = DEFAULT_UNIT_TYPES,
+        process_group: dist.ProcessGroup | None = None,
+        grad_comm_dtype: torch.dtype | None = None,
+        prefetch: int = 1,
+    ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (no prefetch) or more units ahead, got {prefetch}")
         super().__init__(module, process_group, grad_comm_dtype)
@@ -85,12 +97,17 @@ class FullyShardedDataParallel(DataParallelModule):
         unit_modules = _outermost(module, {id(unit) for unit in units}, tuple(unit_types))
         for prefix, unit in unit_modules:
             if compiled_whole(unit):
-                raise ValueError(f"unit {prefix or 'the root'} is torch.compiled whole: FullyShardedDataParallel gathers "
-                                 "and frees its parameters in module hooks, which that would trace; compile its forward "
-                                 "instead (unit.forward = torch.compile(unit.forward), as TransformerLM.compile_blocks "
-                                 "does), which leaves the hooks outside the graph")
-        self._units = [ShardedUnit(unit, prefix, params, process_group, compute_dtype, grad_comm_dtype)
-                       for (prefix, unit), params in zip(unit_modules, _assign_params(module, unit_modules)) if params]
+                raise ValueError(
+                    f"unit {prefix or 'the root'} is torch.compiled whole: FullyShardedDataParallel gathers "
+                    "and frees its parameters in module hooks, which that would trace; compile its forward "
+                    "instead (unit.forward = torch.compile(unit.forward), as TransformerLM.compile_blocks "
+                    "does), which leaves the hooks outside the graph"
+                )
+        self._units = [
+            ShardedUnit(unit, prefix, params, process_group, compute_dtype, grad_comm_dtype)
+            for (prefix, unit), params in zip(unit_modules, _assign_params(module, unit_modules))
+            if params
+        ]
         self._sharded: dict[int, tuple[ShardedUnit, ShardedParam]] = {
             id(p.shard): (unit, p) for unit in self._units for p in unit.params
         }
@@ -205,8 +222,9 @@ class FullyShardedDataParallel(DataParallelModule):
         if not self._replicated:
             return
         local = [p.grad is not None for p in self._replicated]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
-                          for p in self._replicated])
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1) for p in self._replicated]
+        )
         self._presence.launch(local)
         self._averager.average(flat)
         chunks = flat.split([p.numel() for p in self._replicated])
@@ -229,8 +247,12 @@ class FullyShardedDataParallel(DataParallelModule):
         """The global norm of the gradients (a collective): the sharded gradients' norms combined over ranks,
         padding rows excluded; replicated gradients, equal on every rank after synchronisation, counted once."""
         norm_type = float(norm_type)
-        sharded = [p.valid_rows(p.shard.grad, unit.rank) for unit in self._units for p in unit.trainable
-                   if p.shard.grad is not None]
+        sharded = [
+            p.valid_rows(p.shard.grad, unit.rank)
+            for unit in self._units
+            for p in unit.trainable
+            if p.shard.grad is not None
+        ]
         replicated = [p.grad for p in self._replicated if p.grad is not None]
         device = next(self.module.parameters()).device
         local = _total_norm(sharded, norm_type, device)
@@ -276,8 +298,10 @@ class FullyShardedDataParallel(DataParallelModule):
 
     def _shard_of(self, param: ShardedParam, full: torch.Tensor, name: str) -> torch.Tensor:
         if full.shape != param.shape:
-            raise ValueError(f"{name}: the state holds shape {tuple(full.shape)}, the model {tuple(param.shape)}: "
-                             "it belongs to a different model")
+            raise ValueError(
+                f"{name}: the state holds shape {tuple(full.shape)}, the model {tuple(param.shape)}: "
+                "it belongs to a different model"
+            )
         return shard_rows(full, self.rank, self.world_size)
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -290,9 +314,11 @@ class FullyShardedDataParallel(DataParallelModule):
         for index, values in saved["state"].items():
             owner = self._sharded.get(id(params[index]))
             state[index] = {
-                key: _to_cpu(owner[0].gather_like(owner[1], value)
-                             if owner and isinstance(value, torch.Tensor) and value.shape == params[index].shape
-                             else value)
+                key: _to_cpu(
+                    owner[0].gather_like(owner[1], value)
+                    if owner and isinstance(value, torch.Tensor) and value.shape == params[index].shape
+                    else value
+                )
                 for key, value in values.items()
             }
         return {"state": state, "param_groups": saved["param_groups"]}
@@ -330,8 +356,9 @@ class FullyShardedDataParallel(DataParallelModule):
         self._presence = GradPresence(self._replicated, self.process_group) if self._replicated else None
 
 
-def _outermost(module: nn.Module, named: set[int],
-               unit_types: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
+def _outermost(
+    module: nn.Module, named: set[int], unit_types: tuple[type[nn.Module], ...]
+) -> list[tuple[str, nn.Module]]:
     """The submodules named (by id) or of ``unit_types`` not inside another such submodule, in registration order."""
     units: list[tuple[str, nn.Module]] = []
     for name, sub in module.named_modules():
@@ -357,8 +384,9 @@ def _assign_params(module: nn.Module, units: list[tuple[str, nn.Module]]):
         first_seen.setdefault(id(param), param)
     per_unit = []
     for prefix, _ in units:
-        per_unit.append([(p, slots[key], names[key]) for key, p in first_seen.items()
-                         if homes[key] == {prefix} and p.ndim >= 1])
+        per_unit.append(
+            [(p, slots[key], names[key]) for key, p in first_seen.items() if homes[key] == {prefix} and p.ndim >= 1]
+        )
     return per_unit
 
 

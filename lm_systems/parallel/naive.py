@@ -13,8 +13,13 @@ from lm_systems.parallel.collectives import GradPresence
 class NaiveDDP(DataParallelModule):
     """After backward, all-reduce each gradient in turn (``flat=False``) or all of them as one flat tensor."""
 
-    def __init__(self, module: nn.Module, flat: bool = False, process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        flat: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        grad_comm_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(module, process_group, grad_comm_dtype)
         self.flat = flat
         self._params = self.trainable_parameters()

@@ -27,9 +27,14 @@ class OverlappedDDP(DataParallelModule):
     steps its parameter (ZeRO-1's owner) instead of to every rank.
     """
 
-    def __init__(self, module: nn.Module, units: list[list[nn.Parameter]],
-                 process_group: dist.ProcessGroup | None = None, grad_comm_dtype: torch.dtype | None = None,
-                 launch_thread: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        units: list[list[nn.Parameter]],
+        process_group: dist.ProcessGroup | None = None,
+        grad_comm_dtype: torch.dtype | None = None,
+        launch_thread: bool = False,
+    ) -> None:
         super().__init__(module, process_group, grad_comm_dtype)
         self._units = units
         device = units[0][0].device if units else torch.device("cpu")
@@ -209,8 +214,13 @@ class OverlappedDDP(DataParallelModule):
 class PerParameterDDP(OverlappedDDP):
     """Launches an async all-reduce of each gradient, in place in ``.grad``, as soon as it is accumulated."""
 
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
-                 grad_comm_dtype: torch.dtype | None = None, launch_thread: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        grad_comm_dtype: torch.dtype | None = None,
+        launch_thread: bool = False,
+    ) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
         # Reverse registration order: roughly the order backward produces gradients in.
         super().__init__(module, [[p] for p in reversed(params)], process_group, grad_comm_dtype, launch_thread)

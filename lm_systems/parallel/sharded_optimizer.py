@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lm_systems.parallel.collectives import require_process_group
-from lm_systems.parallel.stages import cut_into_stages
 from lm_systems.parallel.staged_optimizer import StagedOptimizer
+from lm_systems.parallel.stages import cut_into_stages
 
 Exchange = Literal["p2p", "broadcast"]
 
@@ -38,8 +38,8 @@ class ShardedOptimizer(StagedOptimizer):
     (docs/data_parallel.md).
 
     ``param_groups`` are the full groups (see ``StagedOptimizer``, whose stages here hold only this rank's
-    parameters); ``state`` holds this rank's shard of the state. ``consolidate_state_dict(to)`` (a collective) gathers a plain
-    ``optimizer_cls`` state dict over all parameters on rank ``to``; ``load_state_dict`` takes that
+    parameters); ``state`` holds this rank's shard of the state. ``consolidate_state_dict(to)`` (a collective)
+    gathers a plain ``optimizer_cls`` state dict over all parameters on rank ``to``; ``load_state_dict`` takes that
     format on any world size.
     """
 
@@ -130,8 +130,11 @@ class ShardedOptimizer(StagedOptimizer):
             for p in params[start : start + _P2P_PARAMS_PER_BATCH]:
                 owner = self.owner(p)
                 if owner == self.rank:
-                    ops += [dist.P2POp(dist.isend, p.detach(), peer, self._group)
-                            for peer in range(self.world_size) if peer != owner]
+                    ops += [
+                        dist.P2POp(dist.isend, p.detach(), peer, self._group)
+                        for peer in range(self.world_size)
+                        if peer != owner
+                    ]
                 else:
                     ops.append(dist.P2POp(dist.irecv, p.detach(), owner, self._group))
             works += dist.batch_isend_irecv(ops)
@@ -142,8 +145,11 @@ class ShardedOptimizer(StagedOptimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collective: gather the full state on rank ``to``, as ``optimizer_cls`` would hold it unsharded."""
         params = self._all_params()
-        shard = {i: _to_cpu(self.state[p]) for i, p in enumerate(params)
-                 if self._owner[id(p)] == self.rank and p in self.state}
+        shard = {
+            i: _to_cpu(self.state[p])
+            for i, p in enumerate(params)
+            if self._owner[id(p)] == self.rank and p in self.state
+        }
         index = {id(p): i for i, p in enumerate(params)}
         gathered: list[dict | None] | None = [None] * self.world_size if self.rank == to else None
         dist.gather_object(shard, gathered, dst=to)
@@ -158,7 +164,8 @@ class ShardedOptimizer(StagedOptimizer):
         self._consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def state_dict(self) -> dict[str, Any]:
-        """The consolidated full state; only on the rank ``consolidate_state_dict(to=...)`` named, since the last step."""
+        """The consolidated full state; only on the rank ``consolidate_state_dict(to=...)`` named, since the last
+        step."""
         if self._consolidated is None:
             raise RuntimeError(
                 f"rank {self.rank} holds only its shard of the optimizer state: call consolidate_state_dict(to=...) "

@@ -25,8 +25,9 @@ def _all_gather_params(outputs: list[torch.Tensor], inputs: list[torch.Tensor], 
     return group.allgather_into_tensor_coalesced(outputs, inputs)
 
 
-def _reduce_scatter_grads(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup,
-                          op: dist.ReduceOp) -> dist.Work:
+def _reduce_scatter_grads(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup, op: dist.ReduceOp
+) -> dist.Work:
     """Rank r's ``outputs[i]`` = ``op`` over ranks of chunk r of ``inputs[i]``: one grouped launch for the list."""
     options = dist.ReduceScatterOptions()
     options.reduceOp = op
@@ -75,13 +76,22 @@ class ShardedParam:
     _flat_shard: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, original: torch.Tensor, shard: nn.Parameter, dtype: torch.dtype, world_size: int,
-               slots: list[tuple[nn.Module, str]], names: list[str], offset: int) -> "ShardedParam":
+    def create(
+        cls,
+        original: torch.Tensor,
+        shard: nn.Parameter,
+        dtype: torch.dtype,
+        world_size: int,
+        slots: list[tuple[nn.Module, str]],
+        names: list[str],
+        offset: int,
+    ) -> "ShardedParam":
         """The full parameter made once, its storage released; ``flat`` is made while it is allocated (a view
         follows its storage through every later release and allocation, so no gather makes a new one). Through
         ``.data``: refilling a leaf that autograd saved for backward must not bump its version."""
-        full = nn.Parameter(torch.empty(original.shape, dtype=dtype, device=original.device),
-                            requires_grad=original.requires_grad)
+        full = nn.Parameter(
+            torch.empty(original.shape, dtype=dtype, device=original.device), requires_grad=original.requires_grad
+        )
         size = shard.numel() * world_size
         storage = full.untyped_storage()
         storage.resize_(size * full.element_size())
@@ -136,9 +146,15 @@ class ShardedUnit:
     shard, which parameters got a gradient on any rank. The outputs are views of one flat buffer.
     """
 
-    def __init__(self, module: nn.Module, prefix: str, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]],
-                 list[str]]], group: dist.ProcessGroup | None, compute_dtype: torch.dtype | None,
-                 reduce_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        prefix: str,
+        params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
+        group: dist.ProcessGroup | None,
+        compute_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+    ) -> None:
         self.module = module
         self.prefix = prefix
         self.group = group if group is not None else dist.group.WORLD
@@ -148,10 +164,12 @@ class ShardedUnit:
         self.trainable: list[ShardedParam] = []
         offset = 0
         for original, slots, names in params:
-            shard = nn.Parameter(shard_rows(original.detach(), self.rank, self.world_size),
-                                 requires_grad=original.requires_grad)
-            param = ShardedParam.create(original, shard, compute_dtype or original.dtype, self.world_size, slots,
-                                        names, offset)
+            shard = nn.Parameter(
+                shard_rows(original.detach(), self.rank, self.world_size), requires_grad=original.requires_grad
+            )
+            param = ShardedParam.create(
+                original, shard, compute_dtype or original.dtype, self.world_size, slots, names, offset
+            )
             offset += param.numel
             if original.requires_grad:
                 self.trainable.append(param)
@@ -168,8 +186,9 @@ class ShardedUnit:
         masters = {p.shard.dtype for p in self.trainable}
         self._master_dtype = masters.pop() if len(masters) == 1 else None
         # The presence flags every rank sends when it holds every gradient (the common case): read-only, made once.
-        self._all_present = torch.ones(self.world_size * len(self.trainable), dtype=self.reduce_dtype,
-                                       device=self.device)
+        self._all_present = torch.ones(
+            self.world_size * len(self.trainable), dtype=self.reduce_dtype, device=self.device
+        )
         self._gathering: tuple[list[torch.Tensor], dist.Work] | None = None
         self.gathered = False
         self._install(full=False)
@@ -272,8 +291,7 @@ class ShardedUnit:
         if self._master_dtype is not None:
             means = means.to(self._master_dtype)  # one cast for the unit (none if it is the reduce dtype)
         # All present here means present everywhere: no read of the flags (no host-device sync).
-        anywhere = pending.local_present if all(pending.local_present) else \
-            (output[self.grad_numel :] > 0).tolist()
+        anywhere = pending.local_present if all(pending.local_present) else (output[self.grad_numel :] > 0).tolist()
         for p, grad, present in zip(self.trainable, means.split(self._grad_sizes), anywhere):
             if not present:
                 continue

@@ -20,8 +20,13 @@ class StagedOptimizer(Optimizer):
     Subclasses set whatever ``stage_params`` needs before calling ``__init__`` (it adds the groups).
     """
 
-    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: type[Optimizer],
-                 stages: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_cls: type[Optimizer],
+        stages: int,
+        **kwargs: Any,
+    ) -> None:
         self._optimizer_cls, self._optimizer_kwargs, self._num_stages = optimizer_cls, kwargs, stages
         self._stages: list[Optimizer] = []
         super().__init__(params, defaults=kwargs)

@@ -41,6 +41,7 @@ class RecordingAutotunedKernel:
         def launch(*args, **kwargs):
             self.through_triton.append((args, kwargs))
             return self.compiled
+
         return launch
 
 

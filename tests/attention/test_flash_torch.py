@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from attention_reference import reference_attention, rel_error
+
 from lm_systems.attention import get_attention
 from lm_systems.attention.flash_torch import FlashAttention2Torch, flash_forward_torch
 from lm_systems.config import ModelConfig
@@ -61,12 +61,15 @@ def test_rows_that_see_no_key_give_zero_output_and_gradient():
     assert torch.all(q.grad[..., :15, :] == 0) and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
 
 
-@pytest.mark.parametrize("dtype,bound", [
-    # fp32 arithmetic, fp32 output: error ≈ a few ulps (1.2e-7) grown over ~N additions.
-    (torch.float32, 1e-5),
-    # bf16 output rounding alone is up to 2^-9 ≈ 2e-3 relative per element.
-    (torch.bfloat16, 1e-2),
-])
+@pytest.mark.parametrize(
+    "dtype,bound",
+    [
+        # fp32 arithmetic, fp32 output: error ≈ a few ulps (1.2e-7) grown over ~N additions.
+        (torch.float32, 1e-5),
+        # bf16 output rounding alone is up to 2^-9 ≈ 2e-3 relative per element.
+        (torch.bfloat16, 1e-2),
+    ],
+)
 def test_low_precision_inputs_accumulate_in_fp32(dtype, bound):
     q, k, v = _inputs((1, 3), 77, 77, 64, dtype)
     out, lse = flash_forward_torch(q, k, v, True)
@@ -98,14 +101,17 @@ def test_runs_under_torch_compile():
         assert rel_error(g, r) < 1e-5, name
 
 
-@pytest.mark.parametrize("make_bad,message", [
-    (lambda q: (q, q.double(), q.double()), "share a dtype"),
-    (lambda q: (q, q[..., :8], q[..., :8]), "head dim"),
-    (lambda q: (q, q, q[:, :1]), "one shape"),
-    (lambda q: (q, q.to("meta"), q.to("meta")), "one device"),
-    (lambda q: (q[0, 0, 0], q[0, 0, 0], q[0, 0, 0]), r"\(\.\.\., N, d\)"),
-    (lambda q: (q.long(), q.long(), q.long()), "floating-point"),
-])
+@pytest.mark.parametrize(
+    "make_bad,message",
+    [
+        (lambda q: (q, q.double(), q.double()), "share a dtype"),
+        (lambda q: (q, q[..., :8], q[..., :8]), "head dim"),
+        (lambda q: (q, q, q[:, :1]), "one shape"),
+        (lambda q: (q, q.to("meta"), q.to("meta")), "one device"),
+        (lambda q: (q[0, 0, 0], q[0, 0, 0], q[0, 0, 0]), r"\(\.\.\., N, d\)"),
+        (lambda q: (q.long(), q.long(), q.long()), "floating-point"),
+    ],
+)
 def test_bad_inputs_raise_clear_errors(make_bad, message):
     q = torch.randn(1, 2, 9, 16)
     with pytest.raises(ValueError, match=message):

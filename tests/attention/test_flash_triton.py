@@ -15,6 +15,7 @@ if sys.platform != "linux":  # triton is a dependency on Linux only; there a bro
     pytest.skip("triton is installed on Linux only", allow_module_level=True)
 
 from attention_reference import reference_attention, rel_error  # noqa: E402
+
 from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton, flash_forward_triton  # noqa: E402
 
@@ -37,12 +38,15 @@ BOUNDS = {
 # About a second a case in the interpreter: the first shape alone is in the fast subset (pytest -m "not slow").
 SMALL_SHAPES = [
     ((1, 2), 17, 17, 16),
-    *(pytest.param(*shape, marks=pytest.mark.slow) for shape in [
-        ((1, 2), 37, 48, 64),
-        ((1, 2), 48, 17, 80),
-        ((2,), 33, 33, 64),
-        ((1, 1), 45, 20, 16),
-    ]),
+    *(
+        pytest.param(*shape, marks=pytest.mark.slow)
+        for shape in [
+            ((1, 2), 37, 48, 64),
+            ((1, 2), 48, 17, 80),
+            ((2,), 33, 33, 64),
+            ((1, 1), 45, 20, 16),
+        ]
+    ),
 ]
 
 
@@ -130,13 +134,16 @@ def test_autocast_casts_inputs_like_pytorch_attention():
     assert rel_error(out, ref_out) < BOUNDS[dtype]["out"]
 
 
-@pytest.mark.parametrize("make_bad,message", [
-    (lambda q: (q[..., :8], q[..., :8], q[..., :8]), "head dims 16..128"),
-    (lambda q: (torch.randn(1, 2, 9, 160), torch.randn(1, 2, 9, 160), torch.randn(1, 2, 9, 160)), "head dims"),
-    (lambda q: (q.double(), q.double(), q.double()), "float16, bfloat16 and float32"),
-    (lambda q: (q, q.half(), q.half()), "share a dtype"),
-    (lambda q: (q, q[:, :1], q[:, :1]), "leading dims"),
-])
+@pytest.mark.parametrize(
+    "make_bad,message",
+    [
+        (lambda q: (q[..., :8], q[..., :8], q[..., :8]), "head dims 16..128"),
+        (lambda q: (torch.randn(1, 2, 9, 160), torch.randn(1, 2, 9, 160), torch.randn(1, 2, 9, 160)), "head dims"),
+        (lambda q: (q.double(), q.double(), q.double()), "float16, bfloat16 and float32"),
+        (lambda q: (q, q.half(), q.half()), "share a dtype"),
+        (lambda q: (q, q[:, :1], q[:, :1]), "leading dims"),
+    ],
+)
 def test_bad_inputs_raise_clear_errors(make_bad, message):
     q = torch.randn(1, 2, 9, 16, device=DEVICE)
     with pytest.raises(ValueError, match=message):

@@ -1,9 +1,8 @@
 """FlashAttention2Triton on a GPU: long sequences in fp32 / fp16 / bf16, the autotuned benchmark
 shapes, torch.compile, and a short training run that must track SDPA's loss curve."""
 
-from dataclasses import replace
-
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ if sys.platform != "linux":  # triton is a dependency on Linux only; there a bro
 
 from attention_reference import reference_attention, rel_error  # noqa: E402
 from test_flash_triton import BOUNDS, _check_against_reference, _grads, _inputs  # noqa: E402
+
 from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_triton import _EAGER_KERNELS, TMA_ENV, FlashAttention2Triton, tma_loads  # noqa: E402
 from lm_systems.attention.tuning import AUTOTUNE_ENV, CACHE_ENV  # noqa: E402
@@ -80,8 +80,10 @@ def test_works_inside_torch_compile(d):
     _check_against_reference(*_inputs((2, 3), 1000, 1000, d, torch.bfloat16), True, fn=compiled)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="tensor-descriptor (TMA) loads are the default from compute capability 9 (Hopper)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="tensor-descriptor (TMA) loads are the default from compute capability 9 (Hopper)",
+)
 @pytest.mark.parametrize("setting", ["auto", "0"])
 def test_hopper_backward_loads_through_descriptors_by_default(setting, monkeypatch):
     """The long shapes above run the descriptor loads where the head dim allows; this pins that they do, and that

@@ -14,6 +14,7 @@ if sys.platform != "linux":  # triton is a dependency on Linux only; there a bro
     pytest.skip("triton is installed on Linux only", allow_module_level=True)
 
 from test_flash_triton import DEVICE, _check_against_reference, _grads, _inputs  # noqa: E402
+
 from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_triton import TMA_ENV, FlashAttention2Triton, tma_loads  # noqa: E402
 
@@ -34,10 +35,13 @@ def chosen(monkeypatch):
 # (leading dims, N_q, N_k, d): power-of-two head dims, ragged ends, N_q != N_k both ways.
 SHAPES = [
     ((1, 2), 50, 50, 32),
-    *(pytest.param(*shape, marks=pytest.mark.slow) for shape in [
-        ((1, 2), 37, 61, 16),
-        ((2,), 64, 40, 64),
-    ]),
+    *(
+        pytest.param(*shape, marks=pytest.mark.slow)
+        for shape in [
+            ((1, 2), 37, 61, 16),
+            ((2,), 64, 40, 64),
+        ]
+    ),
 ]
 
 
@@ -67,13 +71,17 @@ def _bhnd(n=40, d=32, dtype=torch.float16, offset=0):
     return flat[offset:].view(2, 3, n, d)
 
 
-@pytest.mark.parametrize("make,expected", [
-    (lambda: _bhnd(), True),
-    (lambda: _bhnd(d=48)[..., :32], True),  # rows 96 bytes apart: a strided view, still aligned
-    (lambda: _bhnd(d=48), False),  # a head dim that is not a power of two is padded in the kernels
-    (lambda: _bhnd(offset=1), False),  # a storage offset off the 16-byte alignment
-    (lambda: torch.randn(1, 2, 40, 36, dtype=torch.float16, device=DEVICE)[..., :32], False),  # rows 72 bytes apart
-], ids=["contiguous", "strided-rows", "head-dim-48", "offset", "rows-72-bytes"])
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (lambda: _bhnd(), True),
+        (lambda: _bhnd(d=48)[..., :32], True),  # rows 96 bytes apart: a strided view, still aligned
+        (lambda: _bhnd(d=48), False),  # a head dim that is not a power of two is padded in the kernels
+        (lambda: _bhnd(offset=1), False),  # a storage offset off the 16-byte alignment
+        (lambda: torch.randn(1, 2, 40, 36, dtype=torch.float16, device=DEVICE)[..., :32], False),  # rows 72 bytes apart
+    ],
+    ids=["contiguous", "strided-rows", "head-dim-48", "offset", "rows-72-bytes"],
+)
 def test_descriptors_only_where_the_layout_allows(make, expected, monkeypatch):
     monkeypatch.setenv(TMA_ENV, "1")
     t = make()

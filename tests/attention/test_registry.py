@@ -33,8 +33,11 @@ def test_reference_implementations_match_float64(name, is_causal, n_q, n_k):
 
 def test_auto_is_sdpa_in_eager_and_the_registered_choice_inside_torch_compile(monkeypatch):
     half, full = torch.randn(1, 2, 8, 16, dtype=torch.float16), torch.randn(1, 2, 8, 16)
-    monkeypatch.setattr(registry, "_AUTO_WHEN_COMPILED",
-                        [registry.AutoChoice("naive", lambda q: q.dtype == torch.float16, "fp16 queries")])
+    monkeypatch.setattr(
+        registry,
+        "_AUTO_WHEN_COMPILED",
+        [registry.AutoChoice("naive", lambda q: q.dtype == torch.float16, "fp16 queries")],
+    )
     assert resolve_attention_name("auto") == resolve_attention_name("auto", half) == "sdpa"
     assert get_attention("auto", half) is get_attention("sdpa")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -56,8 +59,10 @@ def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_qu
     assert not _faster_when_compiled(query(head_dim=256))
     assert _faster_when_compiled(query(seq_len=2048))  # measured faster than sdpa in the step at 512 and 2048
     assert not _faster_when_compiled(query(seq_len=8192))  # and slower at 8192
-    assert "inside torch.compile flash_triton for fp16 / bf16 CUDA queries of at most 2048 positions, else sdpa" in \
-        describe_attention("auto", compiled=True)
+    assert (
+        "inside torch.compile flash_triton for fp16 / bf16 CUDA queries of at most 2048 positions, else sdpa"
+        in describe_attention("auto", compiled=True)
+    )
     assert describe_attention("auto", compiled=False) == "sdpa" and describe_attention("naive", True) == "naive"
 
 
@@ -76,8 +81,11 @@ def test_auto_dispatches_inside_a_compiled_graph_without_a_break(monkeypatch):
         return naive(*args)
 
     monkeypatch.setitem(registry._REGISTRY, "naive", counted_naive)
-    monkeypatch.setattr(registry, "_AUTO_WHEN_COMPILED",
-                        [registry.AutoChoice("naive", lambda q: q.dtype == torch.float32, "fp32 queries")])
+    monkeypatch.setattr(
+        registry,
+        "_AUTO_WHEN_COMPILED",
+        [registry.AutoChoice("naive", lambda q: q.dtype == torch.float32, "fp32 queries")],
+    )
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     compiled = torch.compile(lambda q, k, v: get_attention("auto", q)(q, k, v, True), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v), naive(q, k, v, True))

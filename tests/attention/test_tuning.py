@@ -16,8 +16,8 @@ if sys.platform != "linux":
     pytest.skip("triton is installed on Linux only", allow_module_level=True)
 
 import triton  # noqa: E402
-
 from attention_reference import reference_attention, rel_error  # noqa: E402
+
 from lm_systems.attention import tuning  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: E402
 from lm_systems.attention.tuning import CACHE_ENV, TuningCache, default_cache_dir  # noqa: E402
@@ -82,8 +82,10 @@ def _fresh_flash_kernels(monkeypatch, bench: _CountingBench) -> None:
     """flash_triton's eager kernels as a new process has them: nothing chosen yet; two interpreter candidates each
     (the default tiles and a second pair), so that there is something to tune."""
     second = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16)}
-    candidates = {kind: [config, triton.Config({"BLOCK_M": second[kind][0], "BLOCK_N": second[kind][1]})]
-                  for kind, config in tuning.INTERPRETER_CONFIG.items()}
+    candidates = {
+        kind: [config, triton.Config({"BLOCK_M": second[kind][0], "BLOCK_N": second[kind][1]})]
+        for kind, config in tuning.INTERPRETER_CONFIG.items()
+    }
     for kind, kernel in tuning.TUNED_FOR_EAGER.items():
         monkeypatch.setattr(kernel, "cache", {})
         monkeypatch.setattr(kernel, "bench", bench)
@@ -132,11 +134,20 @@ def test_a_damaged_entry_is_reported_and_tuned_again(monkeypatch, tuning_cache_d
 def test_the_entry_names_everything_the_choice_depends_on(tmp_path):
     cache = TuningCache(tmp_path)
     configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]
-    base = dict(kernel="k", source="s1", device="NVIDIA H100 80GB HBM3 sm90", key=(16384, 64, True, "torch.bfloat16"),
-                candidates=configs)
+    base = dict(
+        kernel="k",
+        source="s1",
+        device="NVIDIA H100 80GB HBM3 sm90",
+        key=(16384, 64, True, "torch.bfloat16"),
+        candidates=configs,
+    )
     path = cache.path(TuningCache.entry(**base))
-    for change in (dict(source="s2"), dict(device="NVIDIA H200 sm90"), dict(key=(8192, 64, True, "torch.bfloat16")),
-                   dict(candidates=configs[:1])):
+    for change in (
+        dict(source="s2"),
+        dict(device="NVIDIA H200 sm90"),
+        dict(key=(8192, 64, True, "torch.bfloat16")),
+        dict(candidates=configs[:1]),
+    ):
         assert cache.path(TuningCache.entry(**{**base, **change})) != path, change
     assert TuningCache.entry(**base)["triton"] == triton.__version__
 

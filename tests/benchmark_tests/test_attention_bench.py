@@ -31,8 +31,22 @@ def _rows(path) -> list[dict]:
 
 @pytest.mark.gpu
 def test_gpu_flash_sweep_at_tiny_sizes(tmp_path):
-    bench.main(["--mode", "flash", "--flash-seq-lens", "128", "--flash-head-dims", "16", "--flash-dtypes", "fp32",
-                "--rep-ms", "5", "--out-dir", str(tmp_path)])
+    bench.main(
+        [
+            "--mode",
+            "flash",
+            "--flash-seq-lens",
+            "128",
+            "--flash-head-dims",
+            "16",
+            "--flash-dtypes",
+            "fp32",
+            "--rep-ms",
+            "5",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     rows = _rows(tmp_path / "attention_flash_sweep.csv")
     assert [(r["impl"], r["N_q"]) for r in rows] == [(i, n) for n in ("128", "32") for i in bench.FLASH_IMPLS]
     for row in rows:

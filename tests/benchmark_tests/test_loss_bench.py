@@ -11,16 +11,35 @@ from benchmarks import loss as bench
 from lm_systems.loss import default_chunk_tokens
 
 # Tiny sizes, one timed step: milliseconds a variant on two cores (the compiled ones compile once each).
-FAST = ["--device", "cpu", "--tokens", "48", "--vocab", "300", "--d-model", "32", "--dtype", "fp32", "--warmup", "1",
-        "--reps", "1"]
+FAST = [
+    "--device",
+    "cpu",
+    "--tokens",
+    "48",
+    "--vocab",
+    "300",
+    "--d-model",
+    "32",
+    "--dtype",
+    "fp32",
+    "--warmup",
+    "1",
+    "--reps",
+    "1",
+]
 
 
 def test_every_variant_and_chunk_gets_a_row_and_they_agree_on_the_loss(tmp_path):
     rows = bench.main([*FAST, "--chunk-tokens", "16", "--out-dir", str(tmp_path), "--name", "t"])
     assert default_chunk_tokens(300) > 48  # the default chunk is the whole step: measured as 48
     assert [(r["variant"], r["chunk_tokens"]) for r in rows] == [
-        ("plain", ""), ("plain_compiled", ""), ("fused", 48), ("fused", 16),
-        ("fused_compiled_chunks", 48), ("fused_compiled_chunks", 16)]
+        ("plain", ""),
+        ("plain_compiled", ""),
+        ("fused", 48),
+        ("fused", 16),
+        ("fused_compiled_chunks", 48),
+        ("fused_compiled_chunks", 16),
+    ]
     plain = rows[0]["loss"]
     for row in rows:
         assert row["status"] == "ok" and row["tokens"] == 48 and 0 < row["min_ms"] <= row["median_ms"]

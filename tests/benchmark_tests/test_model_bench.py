@@ -63,7 +63,10 @@ def test_mfu_uses_the_shared_peak_table(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "failure, status",
-    [(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)"), "OOM"), (RuntimeError("boom"), "error: RuntimeError")],
+    [
+        (torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)"), "OOM"),
+        (RuntimeError("boom"), "error: RuntimeError"),
+    ],
 )
 def test_a_failing_case_is_a_row_and_the_sweep_goes_on(failure, status, tmp_path, monkeypatch):
     real_measure = bench.measure
@@ -81,8 +84,22 @@ def test_a_failing_case_is_a_row_and_the_sweep_goes_on(failure, status, tmp_path
 
 @pytest.mark.slow
 def test_isolated_cases_run_in_fresh_processes(tmp_path):
-    rows = bench.main([*FAST, "--device", "cpu", "--modes", "forward", "--precisions", "fp32", "--warmup-steps", "0",
-                       "--isolate", "--out-dir", str(tmp_path)])
+    rows = bench.main(
+        [
+            *FAST,
+            "--device",
+            "cpu",
+            "--modes",
+            "forward",
+            "--precisions",
+            "fp32",
+            "--warmup-steps",
+            "0",
+            "--isolate",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["warmup"] == 0
 
 

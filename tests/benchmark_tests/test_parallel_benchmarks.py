@@ -8,11 +8,27 @@ import pytest
 from benchmarks import comm, ddp
 from benchmarks.ddp_variants import Variant
 
-TINY = ["--size", "tiny", "--vocab-size", "64", "--context-length", "16", "--batch-size", "1", "--device", "cpu",
-        "--nproc", "2"]
+TINY = [
+    "--size",
+    "tiny",
+    "--vocab-size",
+    "64",
+    "--context-length",
+    "16",
+    "--batch-size",
+    "1",
+    "--device",
+    "cpu",
+    "--nproc",
+    "2",
+]
 DDP_VARIANTS = ["single", "torch_ddp", "bucketed_1", "zero1", "bucketed_1+hp", "bucketed_1+thread", "naive", "overlap"]
-PAIRS = [("single", "bucketed_1"), ("torch_ddp", "bucketed_1+hp"), ("zero1", "zero1+thread+stages4"),
-         ("single", "overlap+thread")]
+PAIRS = [
+    ("single", "bucketed_1"),
+    ("torch_ddp", "bucketed_1+hp"),
+    ("zero1", "zero1+thread+stages4"),
+    ("single", "overlap+thread"),
+]
 
 
 def test_bus_bandwidth_at_four_ranks():
@@ -24,8 +40,22 @@ def test_bus_bandwidth_at_four_ranks():
 
 @pytest.mark.slow  # two spawned ranks
 def test_comm_bench_reports_bandwidths(tmp_path):
-    rows = comm.main(["--backend", "gloo", "--nproc", "2", "--sizes-mb", "0.01,0.1", "--iters", "2",
-                      "--warmup", "1", "--out-dir", str(tmp_path)])
+    rows = comm.main(
+        [
+            "--backend",
+            "gloo",
+            "--nproc",
+            "2",
+            "--sizes-mb",
+            "0.01,0.1",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert [r["size_mb"] for r in rows] == [0.01, 0.1]
     for row in rows:
         seconds = row["time_ms"] * 1e-3
@@ -41,12 +71,14 @@ def test_comm_bench_names_a_bad_process_count(capsys):
 
 
 def test_summary_takes_ratios_within_each_round():
-    rows = [{"round": 0, "variant": "single", "nproc": 1, "step_ms": 100.0, "replicas_equal": True},
-            {"round": 0, "variant": "torch_ddp", "nproc": 2, "step_ms": 120.0, "replicas_equal": True},
-            {"round": 0, "variant": "bucketed_25", "nproc": 2, "step_ms": 150.0, "replicas_equal": True},
-            {"round": 1, "variant": "single", "nproc": 1, "step_ms": 110.0, "replicas_equal": True},
-            {"round": 1, "variant": "torch_ddp", "nproc": 2, "step_ms": 100.0, "replicas_equal": True},
-            {"round": 1, "variant": "bucketed_25", "nproc": 2, "step_ms": 130.0, "replicas_equal": False}]
+    rows = [
+        {"round": 0, "variant": "single", "nproc": 1, "step_ms": 100.0, "replicas_equal": True},
+        {"round": 0, "variant": "torch_ddp", "nproc": 2, "step_ms": 120.0, "replicas_equal": True},
+        {"round": 0, "variant": "bucketed_25", "nproc": 2, "step_ms": 150.0, "replicas_equal": True},
+        {"round": 1, "variant": "single", "nproc": 1, "step_ms": 110.0, "replicas_equal": True},
+        {"round": 1, "variant": "torch_ddp", "nproc": 2, "step_ms": 100.0, "replicas_equal": True},
+        {"round": 1, "variant": "bucketed_25", "nproc": 2, "step_ms": 130.0, "replicas_equal": False},
+    ]
     summary = {r["variant"]: r for r in ddp.summarize(rows)}
     bucketed = summary["bucketed_25"]
     assert bucketed["step_ms"] == 140.0 and bucketed["rounds"] == 2
@@ -59,8 +91,23 @@ def test_summary_takes_ratios_within_each_round():
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    rows = ddp.main([*TINY, "--steps", "1", "--warmup", "1", "--instrumented-steps", "1", "--rounds", "1",
-                     "--variants", ",".join(DDP_VARIANTS), "--out-dir", str(out)])
+    rows = ddp.main(
+        [
+            *TINY,
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--instrumented-steps",
+            "1",
+            "--rounds",
+            "1",
+            "--variants",
+            ",".join(DDP_VARIANTS),
+            "--out-dir",
+            str(out),
+        ]
+    )
     with open(out / "ddp_tiny_2cpu.csv") as f:
         return rows, {row["variant"]: row for row in csv.DictReader(f)}, out
 
@@ -85,11 +132,19 @@ def test_ddp_bench_times_the_phases_of_a_step(ddp_run):
     assert {r["variant"]: r["nproc"] for r in rows}["single"] == 1
 
 
-@pytest.mark.parametrize("bad, said", [
-    ("bucketed_x", "unknown variant 'bucketed_x'"), ("torch_ddp+fast", "unknown option 'fast'"),
-    ("single+hp", "takes no communication options"), ("torch_ddp+thread", "not 'torch_ddp'"),
-    ("naive+thread", "not 'naive'"), ("bucketed_25+stages2", "not 'bucketed_25'"),
-    ("zero1+stages0", "unknown option 'stages0'"), ("bucketed_25+ctas", "unknown option 'ctas'")])
+@pytest.mark.parametrize(
+    "bad, said",
+    [
+        ("bucketed_x", "unknown variant 'bucketed_x'"),
+        ("torch_ddp+fast", "unknown option 'fast'"),
+        ("single+hp", "takes no communication options"),
+        ("torch_ddp+thread", "not 'torch_ddp'"),
+        ("naive+thread", "not 'naive'"),
+        ("bucketed_25+stages2", "not 'bucketed_25'"),
+        ("zero1+stages0", "unknown option 'stages0'"),
+        ("bucketed_25+ctas", "unknown option 'ctas'"),
+    ],
+)
 def test_ddp_bench_names_a_bad_variant_or_option(bad, said, capsys):
     with pytest.raises(SystemExit):
         ddp.parse_args(["--device", "cpu", "--variants", bad])
@@ -110,8 +165,21 @@ def test_variant_options_parse():
 @pytest.fixture(scope="module")
 def paired_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("paired")
-    rows = ddp.main([*TINY, "--warmup", "1", "--iterations", "3", "--steps-per-turn", "2",
-                            "--pairs", ",".join(f"{a}:{b}" for a, b in PAIRS), "--out-dir", str(out)])
+    rows = ddp.main(
+        [
+            *TINY,
+            "--warmup",
+            "1",
+            "--iterations",
+            "3",
+            "--steps-per-turn",
+            "2",
+            "--pairs",
+            ",".join(f"{a}:{b}" for a, b in PAIRS),
+            "--out-dir",
+            str(out),
+        ]
+    )
     return rows, out
 
 
@@ -137,12 +205,16 @@ def test_pair_row_takes_the_median_of_per_iteration_ratios():
     assert row["A_ms"] == pytest.approx(100.0) and row["B_ms"] == pytest.approx(150.0)
 
 
-@pytest.mark.parametrize("argv, said", [
-    (["--pairs", "torch_ddp"], "a pair is A:B, got 'torch_ddp'"),
-    (["--pairs", "torch_ddp:bucketed_x"], "unknown variant 'bucketed_x'"),
-    (["--attention", "fastest"], "--attention: invalid choice: 'fastest'"),
-    (["--pairs", "single:zero1", "--variants", "zero1"], "not allowed with argument --pairs"),
-    (["--steps-per-turn", "0"], "--steps-per-turn must be at least 1, got 0")])
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--pairs", "torch_ddp"], "a pair is A:B, got 'torch_ddp'"),
+        (["--pairs", "torch_ddp:bucketed_x"], "unknown variant 'bucketed_x'"),
+        (["--attention", "fastest"], "--attention: invalid choice: 'fastest'"),
+        (["--pairs", "single:zero1", "--variants", "zero1"], "not allowed with argument --pairs"),
+        (["--steps-per-turn", "0"], "--steps-per-turn must be at least 1, got 0"),
+    ],
+)
 def test_paired_bench_names_a_bad_pair(argv, said, capsys):
     with pytest.raises(SystemExit):
         ddp.parse_args(["--device", "cpu", *argv])
@@ -157,9 +229,28 @@ def test_ddp_bench_defaults_to_sdpa_attention_and_every_strategy():
 
 @pytest.mark.slow  # two spawned ranks
 def test_rounds_interleave_the_variants(tmp_path):
-    rows = ddp.main([*TINY, "--steps", "1", "--warmup", "1", "--instrumented-steps", "0", "--rounds", "2",
-                     "--variants", "single,bucketed_1", "--out-dir", str(tmp_path)])
-    assert [(r["round"], r["variant"]) for r in rows] == [(0, "single"), (0, "bucketed_1"), (1, "single"),
-                                                          (1, "bucketed_1")]
+    rows = ddp.main(
+        [
+            *TINY,
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--instrumented-steps",
+            "0",
+            "--rounds",
+            "2",
+            "--variants",
+            "single,bucketed_1",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
+    assert [(r["round"], r["variant"]) for r in rows] == [
+        (0, "single"),
+        (0, "bucketed_1"),
+        (1, "single"),
+        (1, "bucketed_1"),
+    ]
     assert all(r["replicas_equal"] and r["step_ms"] > 0 for r in rows)
     assert (tmp_path / "ddp_tiny_2cpu.csv").exists()

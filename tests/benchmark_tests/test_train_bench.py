@@ -8,9 +8,9 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from benchmarks import train as bench
 from lm_systems.attention import registry
 from lm_systems.attention.naive import naive_attention
-from benchmarks import train as bench
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.lit_module import LitLM
 
@@ -27,8 +27,27 @@ def test_cpu_run_writes_both_paths_their_ratio_and_the_attention_ratio(tmp_path,
         return summary_rows(setup, rounds, *args)
 
     monkeypatch.setattr(bench, "summary_rows", recording)
-    bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "naive", "--compile", "off",
-                "--rounds", "2", "--warmup", "1", "--steps", "2", "--out-dir", str(tmp_path / "out")])
+    bench.main(
+        [
+            "--size",
+            "tiny",
+            "--shapes",
+            "32x2",
+            "--attention",
+            "sdpa",
+            "naive",
+            "--compile",
+            "off",
+            "--rounds",
+            "2",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--out-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     rows = list(csv.DictReader((tmp_path / "out" / "train_step.csv").open()))
 
     def assert_row(row, values: list[float]) -> None:
@@ -48,14 +67,19 @@ def test_cpu_run_writes_both_paths_their_ratio_and_the_attention_ratio(tmp_path,
     # Both setups' plain loops ran both attentions: two segments each, four ratios.
     (attention,) = [row for row in rows if row["path"] == "plain naive / sdpa"]
     assert attention["setup"] == "tiny ctx32×2 bf16-mixed"
-    assert_row(attention, [a.ms_per_step / b.ms_per_step for rounds in measured.values()
-                           for a, b in zip(rounds.plain["naive"], rounds.plain["sdpa"])])
+    assert_row(
+        attention,
+        [
+            a.ms_per_step / b.ms_per_step
+            for rounds in measured.values()
+            for a, b in zip(rounds.plain["naive"], rounds.plain["sdpa"])
+        ],
+    )
 
 
 @pytest.mark.slow
 def test_the_plain_loop_switches_attention_in_place(tmp_path):
-    data = LMDataModule(context_length=16, batch_size=2, generated_stories=300, vocab_size=300,
-                        cache_dir=str(tmp_path))
+    data = LMDataModule(context_length=16, batch_size=2, generated_stories=300, vocab_size=300, cache_dir=str(tmp_path))
     data.prepare_data()
     plain = bench.PlainLoop(bench.Setup("tiny", 16, 2, "32-true", "sdpa", False), data, torch.device("cpu"), 4)
     called = []
@@ -83,8 +107,26 @@ def test_a_run_cut_short_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench.PlainLoop, "step", step_then_killed)
     with pytest.raises(Killed):
-        bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "--compile", "off", "--rounds", "2",
-                    "--warmup", "1", "--steps", "2", "--out-dir", str(tmp_path / "out")])
+        bench.main(
+            [
+                "--size",
+                "tiny",
+                "--shapes",
+                "32x2",
+                "--attention",
+                "sdpa",
+                "--compile",
+                "off",
+                "--rounds",
+                "2",
+                "--warmup",
+                "1",
+                "--steps",
+                "2",
+                "--out-dir",
+                str(tmp_path / "out"),
+            ]
+        )
     rows = list(csv.DictReader((tmp_path / "out" / "train_step.csv").open()))
     assert {row["path"]: row["rounds"] for row in rows} == {"train_py": "1", "plain": "1", "train_py / plain": "1"}
 
@@ -101,8 +143,17 @@ def test_train_py_args_parse_as_the_cli_reads_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     setup = bench.Setup("tiny", 32, 2, "bf16-mixed", "sdpa", compile=True)
     from train import main
-    cli = main([*bench.train_py_args(setup, 5, tmp_path, torch.device("cpu")), "--data.generated_stories", "300",
-                "--data.vocab_size", "300"], run=False)
+
+    cli = main(
+        [
+            *bench.train_py_args(setup, 5, tmp_path, torch.device("cpu")),
+            "--data.generated_stories",
+            "300",
+            "--data.vocab_size",
+            "300",
+        ],
+        run=False,
+    )
     assert cli.model.hparams.compile and cli.model.hparams.attention == "sdpa" and cli.model.hparams.lr == bench.LR
     assert cli.datamodule.batch_size == 2 and cli.datamodule.context_length == 32
     assert cli.trainer.max_steps == 5 and cli.trainer.gradient_clip_val == bench.CLIP
@@ -125,9 +176,11 @@ def test_each_setup_lets_go_of_its_models_before_the_next(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     made, alive = weakref.WeakSet(), []
     for kind, method in ((LitLM, "setup"), (bench.PlainLoop, "step")):
+
         def recording(self, *args, _original=getattr(kind, method), **kwargs):
             made.add(self)
             return _original(self, *args, **kwargs)
+
         monkeypatch.setattr(kind, method, recording)
     free_memory = bench.free_memory
 
@@ -136,13 +189,48 @@ def test_each_setup_lets_go_of_its_models_before_the_next(tmp_path, monkeypatch)
         alive.append(len(made))
 
     monkeypatch.setattr(bench, "free_memory", count_then_free)
-    bench.main(["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "naive", "--compile", "off",
-                "--rounds", "1", "--warmup", "1", "--steps", "1", "--out-dir", str(tmp_path / "out")])
+    bench.main(
+        [
+            "--size",
+            "tiny",
+            "--shapes",
+            "32x2",
+            "--attention",
+            "sdpa",
+            "naive",
+            "--compile",
+            "off",
+            "--rounds",
+            "1",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--out-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     assert alive == [0, 0]
 
 
-TINY_RUN = ["--size", "tiny", "--shapes", "32x2", "--attention", "sdpa", "--compile", "off", "--rounds", "2",
-            "--warmup", "1", "--steps", "2", "--device", "cpu"]
+TINY_RUN = [
+    "--size",
+    "tiny",
+    "--shapes",
+    "32x2",
+    "--attention",
+    "sdpa",
+    "--compile",
+    "off",
+    "--rounds",
+    "2",
+    "--warmup",
+    "1",
+    "--steps",
+    "2",
+    "--device",
+    "cpu",
+]
 
 
 @pytest.mark.slow
@@ -151,8 +239,12 @@ def test_a_setup_in_its_own_process_sends_each_round_back(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     args = bench.parse_args(TINY_RUN)
     received = []
-    bench.run_setup_in_own_process(bench.Setup("tiny", 32, 2, "bf16-mixed", "sdpa", False), args, tmp_path,
-                                   lambda rounds: received.append(len(rounds.train_py)))
+    bench.run_setup_in_own_process(
+        bench.Setup("tiny", 32, 2, "bf16-mixed", "sdpa", False),
+        args,
+        tmp_path,
+        lambda rounds: received.append(len(rounds.train_py)),
+    )
     assert received == [1, 2]
 
 
@@ -161,5 +253,6 @@ def test_a_setup_that_fails_in_its_own_process_says_which(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     args = bench.parse_args([*TINY_RUN, "--train-py-flags", "--model.lr -1"])
     with pytest.raises(RuntimeError, match=r"tiny ctx32×2 bf16-mixed sdpa failed in its process \(exit code 2\)"):
-        bench.run_setup_in_own_process(bench.Setup("tiny", 32, 2, "bf16-mixed", "sdpa", False), args, tmp_path,
-                                       lambda rounds: None)
+        bench.run_setup_in_own_process(
+            bench.Setup("tiny", 32, 2, "bf16-mixed", "sdpa", False), args, tmp_path, lambda rounds: None
+        )

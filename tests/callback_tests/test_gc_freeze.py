@@ -4,9 +4,9 @@ import gc
 
 import lightning.pytorch as L
 import pytest
+from tiny_training import RandomTokenLM, fit
 
 from callbacks import GCFreeze
-from tiny_training import RandomTokenLM, fit
 
 
 def _frozen(obj: object) -> bool:

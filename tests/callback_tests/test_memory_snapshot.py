@@ -6,9 +6,9 @@ import pickle
 
 import pytest
 import torch
+from tiny_training import RandomTokenLM, fit
 
 from callbacks import MemorySnapshot
-from tiny_training import RandomTokenLM, fit
 
 
 @pytest.mark.slow

@@ -5,9 +5,9 @@ from __future__ import annotations
 import lightning.pytorch as L
 import pytest
 import torch
+from tiny_training import RandomTokenLM, fit
 
 from callbacks import NVTXRanges
-from tiny_training import RandomTokenLM, fit
 
 
 class RangeRecorder:
@@ -56,7 +56,15 @@ def test_ranges_nest_per_phase_with_accumulation(tmp_path, monkeypatch):
     library_switch: list[bool] = []
     monkeypatch.setattr("callbacks.nvtx_ranges.set_nvtx_enabled", library_switch.append)
     callback = ForcedNVTXRanges(validation=True)
-    fit(RandomTokenLM(), [callback], tmp_path, max_steps=2, accumulate_grad_batches=2, val_batches=1, val_check_interval=4)
+    fit(
+        RandomTokenLM(),
+        [callback],
+        tmp_path,
+        max_steps=2,
+        accumulate_grad_batches=2,
+        val_batches=1,
+        val_check_interval=4,
+    )
 
     micro_batch = ["+train_step", "+forward", "-forward", "+backward", "-backward"]
     stepping = [*micro_batch, "+optimizer_step", "-optimizer_step", "-train_step"]

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tiny_training import RandomTokenLM, fit
 
 from callbacks import StepTimer
-from tiny_training import RandomTokenLM, fit
 
 # Seconds each phase's hook adds to the clock; the timer must charge each to its own phase, exactly.
 PHASE_S = {"forward": 0.100, "backward": 0.150, "optimizer": 0.200}

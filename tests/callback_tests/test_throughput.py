@@ -7,10 +7,10 @@ import csv
 import lightning.pytorch as L
 import pytest
 import torch
+from tiny_training import BATCH, CONFIG, RandomTokenLM, fit
 from torch.utils.data import DataLoader
 
 from callbacks import MFUMonitor
-from tiny_training import BATCH, CONFIG, RandomTokenLM, fit
 
 PEAK = 2.5e12  # any positive number: MFU must be the achieved FLOP/s over it
 
@@ -26,8 +26,13 @@ def _last_logged(metrics_csv, key: str) -> float:
 def test_tokens_per_second_and_mfu(tmp_path):
     module = RandomTokenLM()
     trainer = fit(
-        module, [MFUMonitor(window_size=3, peak_flops_per_s=PEAK)], tmp_path, max_steps=6, logger="csv",
-        val_batches=4, val_check_interval=5,
+        module,
+        [MFUMonitor(window_size=3, peak_flops_per_s=PEAK)],
+        tmp_path,
+        max_steps=6,
+        logger="csv",
+        val_batches=4,
+        val_check_interval=5,
     )
     metrics = f"{trainer.log_dir}/metrics.csv"
     tokens_per_s = _last_logged(metrics, "train/tokens_per_sec")
@@ -61,8 +66,14 @@ class DictBatchLM(RandomTokenLM):
 def test_non_token_batches_are_refused(tmp_path):
     windows = [{"tokens": torch.randint(0, CONFIG.vocab_size, (CONFIG.context_length + 1,))} for _ in range(4)]
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=2, callbacks=[MFUMonitor()], logger=False, enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_steps=2,
+        callbacks=[MFUMonitor()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     with pytest.raises(TypeError, match=r"\(B, T \+ 1\) token batches"):
         trainer.fit(DictBatchLM(), DataLoader(windows, batch_size=2))

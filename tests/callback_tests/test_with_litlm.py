@@ -27,9 +27,15 @@ def test_litlm_trains_with_every_profiling_callback(tmp_path):
     module = LitLM(context_length=24, warmup_steps=2, **SMALL_MODEL)
     timer = StepTimer(warmup_steps=2, timed_steps=4)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=8, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
+        accelerator="cpu",
+        max_steps=8,
+        logger=CSVLogger(tmp_path, name="run"),
+        log_every_n_steps=1,
         callbacks=[timer, MFUMonitor(window_size=3, peak_flops_per_s=1e12), MemorySnapshot(), NVTXRanges()],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     with pytest.warns(UserWarning, match="MemorySnapshot needs a CUDA device"):
         trainer.fit(module, datamodule=data)

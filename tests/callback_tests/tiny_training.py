@@ -13,7 +13,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
 
-CONFIG = ModelConfig(vocab_size=67, context_length=15, d_model=32, num_layers=2, num_heads=2, d_ff=48, attention="naive")
+CONFIG = ModelConfig(
+    vocab_size=67, context_length=15, d_model=32, num_layers=2, num_heads=2, d_ff=48, attention="naive"
+)
 BATCH = 3
 
 
@@ -42,7 +44,9 @@ class RandomTokenLM(L.LightningModule):
 def token_loader(batches: int, seed: int = 0) -> DataLoader:
     generator = torch.Generator().manual_seed(seed)
     windows = torch.randint(0, CONFIG.vocab_size, (batches * BATCH, CONFIG.context_length + 1), generator=generator)
-    return DataLoader(TensorDataset(windows), batch_size=BATCH, collate_fn=lambda rows: torch.stack([r[0] for r in rows]))
+    return DataLoader(
+        TensorDataset(windows), batch_size=BATCH, collate_fn=lambda rows: torch.stack([r[0] for r in rows])
+    )
 
 
 def fit(

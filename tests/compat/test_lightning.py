@@ -51,7 +51,9 @@ class Recorder(L.LightningModule):
         self.answers: list[tuple[int, bool, bool]] = []
 
     def training_step(self, batch, batch_idx):
-        self.answers.append((batch_idx, compat.logs_this_step(self.trainer), compat.accumulates_this_batch(self.trainer)))
+        self.answers.append(
+            (batch_idx, compat.logs_this_step(self.trainer), compat.accumulates_this_batch(self.trainer))
+        )
         return self.layer(batch).square().mean()
 
     def configure_optimizers(self):
@@ -62,8 +64,14 @@ class Recorder(L.LightningModule):
 
 
 def fit(**kwargs) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, **kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
     trainer.fit(Recorder())
     return trainer
 
@@ -73,13 +81,15 @@ def test_logs_this_step_and_accumulates_this_batch_follow_the_trainer():
     answers = trainer.lightning_module.answers
     # Batches 0..7, two per optimizer step: steps 0..3; Lightning logs steps 1 and 3 (every 2nd) and the last.
     assert [accumulating for _, _, accumulating in answers] == [True, False] * 4, broken("fit_loop._should_accumulate")
-    assert [logs for _, logs, _ in answers] == [False, False, True, True, False, False, True, True], \
-        broken("trainer._logger_connector.should_update_logs")
+    assert [logs for _, logs, _ in answers] == [False, False, True, True, False, False, True, True], broken(
+        "trainer._logger_connector.should_update_logs"
+    )
 
 
 def test_compute_dtype_is_the_precision_plugins():
-    assert compat.compute_dtype(L.Trainer(accelerator="cpu", precision="bf16-mixed", logger=False)) == torch.bfloat16, \
+    assert compat.compute_dtype(L.Trainer(accelerator="cpu", precision="bf16-mixed", logger=False)) == torch.bfloat16, (
         broken("callbacks.throughput_monitor._plugin_to_compute_dtype")
+    )
     assert compat.compute_dtype(L.Trainer(accelerator="cpu", precision="32-true", logger=False)) == torch.float32
 
 
@@ -90,15 +100,23 @@ def test_precision_names_are_the_trainers():
 
 
 def test_is_local_path_tells_local_from_remote(tmp_path):
-    assert compat.is_local_path(tmp_path) and compat.is_local_path("relative/file.ckpt"), broken("_is_local_file_protocol")
+    assert compat.is_local_path(tmp_path) and compat.is_local_path("relative/file.ckpt"), broken(
+        "_is_local_file_protocol"
+    )
     assert not compat.is_local_path("s3://bucket/file.ckpt")
 
 
 def test_attached_trainer_is_none_until_a_trainer_holds_the_module():
     module = Recorder()
     assert compat.attached_trainer(module) is None, broken("LightningModule._trainer")
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module)
     assert compat.attached_trainer(module) is trainer, broken("LightningModule._trainer")
 
@@ -109,8 +127,9 @@ def test_optimizer_to_device_moves_the_state():
     param.grad = torch.ones(2)
     optimizer.step()
     compat.optimizer_to_device(optimizer, torch.device("meta"))
-    assert all(v.device.type == "meta" for v in optimizer.state[param].values() if v.dim()), \
-        broken("fabric.utilities.optimizer._optimizer_to_device")
+    assert all(v.device.type == "meta" for v in optimizer.state[param].values() if v.dim()), broken(
+        "fabric.utilities.optimizer._optimizer_to_device"
+    )
 
 
 def test_the_cli_base_skips_lightnings_checkpoint_hyperparameter_parsing():
@@ -119,8 +138,13 @@ def test_the_cli_base_skips_lightnings_checkpoint_hyperparameter_parsing():
 
 
 def test_the_checkpoint_base_reaches_modelcheckpoints_save_and_link_steps(tmp_path):
-    for name in ("_should_skip_saving_checkpoint", "_monitor_candidates", "_save_topk_checkpoint",
-                 "_save_last_checkpoint", "_link_checkpoint"):
+    for name in (
+        "_should_skip_saving_checkpoint",
+        "_monitor_candidates",
+        "_save_topk_checkpoint",
+        "_save_last_checkpoint",
+        "_link_checkpoint",
+    ):
         private_method(ModelCheckpoint, name)
     called_in(ModelCheckpoint, "_save_last_checkpoint", "_link_checkpoint")
     links = []
@@ -134,14 +158,28 @@ def test_the_checkpoint_base_reaches_modelcheckpoints_save_and_link_steps(tmp_pa
         def on_train_end(self, trainer, pl_module):
             self.save_step(trainer)
 
-    checkpoint = SavesAtEnd(dirpath=tmp_path, filename="step={step}", save_top_k=-1, save_last="link",
-                            every_n_train_steps=2, auto_insert_metric_name=False)
-    L.Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[checkpoint], enable_progress_bar=False,
-              enable_model_summary=False).fit(Recorder())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"], \
-        broken("ModelCheckpoint's saving steps")
-    assert links[-1] == ("step=3.ckpt", "last.ckpt") and ("step=2.ckpt", "last.ckpt") in links, \
-        broken("ModelCheckpoint._link_checkpoint")
+    checkpoint = SavesAtEnd(
+        dirpath=tmp_path,
+        filename="step={step}",
+        save_top_k=-1,
+        save_last="link",
+        every_n_train_steps=2,
+        auto_insert_metric_name=False,
+    )
+    L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        callbacks=[checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(Recorder())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"], broken(
+        "ModelCheckpoint's saving steps"
+    )
+    assert links[-1] == ("step=3.ckpt", "last.ckpt") and ("step=2.ckpt", "last.ckpt") in links, broken(
+        "ModelCheckpoint._link_checkpoint"
+    )
 
 
 def test_the_strategy_base_replaces_ddps_wrapper_and_hooks():
@@ -192,8 +230,11 @@ def test_the_throughput_base_counts_and_replaces_per_stage():
     assert RunningStage.TRAINING in monitor.stages(), broken("ThroughputMonitor._throughputs")
     monitor.count_batch(RunningStage.TRAINING, samples=2, length=6)
     monitor.count_batch(RunningStage.TRAINING, samples=2, length=6)
-    assert (monitor._samples[RunningStage.TRAINING], monitor._lengths[RunningStage.TRAINING],
-            monitor._batches[RunningStage.TRAINING]) == (4, 12, 2), broken("ThroughputMonitor's counts")
+    assert (
+        monitor._samples[RunningStage.TRAINING],
+        monitor._lengths[RunningStage.TRAINING],
+        monitor._batches[RunningStage.TRAINING],
+    ) == (4, 12, 2), broken("ThroughputMonitor's counts")
     replacement = object()
     monitor.set_throughput(RunningStage.TRAINING, replacement)
     assert monitor._throughputs[RunningStage.TRAINING] is replacement
@@ -213,8 +254,15 @@ def test_the_sigterm_agreement_replaces_the_handlers_and_the_loops_broadcasts():
             if batch_idx == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[SignalsItself()])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SignalsItself()],
+    )
     compat.replace_sigterm_agreement(trainer, lambda signum, frame: notified.append(signum), lambda: agreed[0])
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # this process survives a moved handler
     try:

@@ -14,7 +14,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = sorted(
-    path for path in [REPO / "train.py", *(p for d in ("lm_systems", "strategies", "callbacks") for p in (REPO / d).rglob("*.py"))]
+    path
+    for path in [
+        REPO / "train.py",
+        *(p for d in ("lm_systems", "strategies", "callbacks") for p in (REPO / d).rglob("*.py")),
+    ]
     if "compat" not in path.relative_to(REPO).parts
 )
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torch", "triton")
@@ -40,13 +44,17 @@ def private_imports(tree: ast.AST) -> list[str]:
             if any(map(private, node.module.split("."))) or any(map(private, names)):
                 found.append(f"line {node.lineno}: from {node.module} import {', '.join(names)}")
         elif isinstance(node, ast.Import):
-            found += [f"line {node.lineno}: import {alias.name}" for alias in node.names
-                      if framework(alias.name) and any(map(private, alias.name.split(".")))]
+            found += [
+                f"line {node.lineno}: import {alias.name}"
+                for alias in node.names
+                if framework(alias.name) and any(map(private, alias.name.split(".")))
+            ]
     return found
 
 
 def own_private_names(tree: ast.AST) -> set[str]:
-    """Private names this module defines itself: functions, classes, methods, module globals and attributes it assigns."""
+    """Private names this module defines itself: functions, classes, methods, module globals and attributes it
+    assigns."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -72,8 +80,10 @@ def source_of(cls: type) -> str:
 
 def defined_by(bases: list[type], name: str) -> bool:
     """Whether a framework base class has ``name``: as a class member, or as an attribute its methods assign."""
-    return any(name in vars(base) or f"self.{name} =" in source_of(base) or f"self.{name}:" in source_of(base)
-               for base in bases)
+    return any(
+        name in vars(base) or f"self.{name} =" in source_of(base) or f"self.{name}:" in source_of(base)
+        for base in bases
+    )
 
 
 def private_members_of_framework_bases(path: Path, tree: ast.AST) -> list[str]:
@@ -86,12 +96,23 @@ def private_members_of_framework_bases(path: Path, tree: ast.AST) -> list[str]:
         if not bases:
             continue
         for inner in ast.walk(node):
-            if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)) and private(inner.name) and defined_by(bases, inner.name):
+            if (
+                isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and private(inner.name)
+                and defined_by(bases, inner.name)
+            ):
                 found.append(f"line {inner.lineno}: {node.name} overrides {inner.name}")
-            elif (isinstance(inner, ast.Attribute) and private(inner.attr) and
-                  (isinstance(inner.value, ast.Name) and inner.value.id in ("self", "cls") or
-                   isinstance(inner.value, ast.Call) and getattr(inner.value.func, "id", None) == "super") and
-                  defined_by(bases, inner.attr)):
+            elif (
+                isinstance(inner, ast.Attribute)
+                and private(inner.attr)
+                and (
+                    isinstance(inner.value, ast.Name)
+                    and inner.value.id in ("self", "cls")
+                    or isinstance(inner.value, ast.Call)
+                    and getattr(inner.value.func, "id", None) == "super"
+                )
+                and defined_by(bases, inner.attr)
+            ):
                 found.append(f"line {inner.lineno}: {node.name} uses {inner.attr}")
     return found
 
@@ -109,7 +130,12 @@ def private_attributes_of_others(tree: ast.AST) -> list[str]:
             if isinstance(receiver, ast.Call) and getattr(receiver.func, "id", None) == "super":
                 continue
             found.append(f"line {node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr", "delattr"):
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+            "getattr",
+            "hasattr",
+            "setattr",
+            "delattr",
+        ):
             name = node.args[1] if len(node.args) >= 2 else None
             if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
                 continue
@@ -121,6 +147,12 @@ def private_attributes_of_others(tree: ast.AST) -> list[str]:
 @pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(REPO)))
 def test_no_private_framework_name_outside_compat(path):
     tree = ast.parse(path.read_text(), filename=str(path))
-    found = [*private_imports(tree), *private_attributes_of_others(tree), *private_members_of_framework_bases(path, tree)]
-    assert not found, (f"{path.relative_to(REPO)} uses private names of Lightning, torch or Triton; put each behind "
-                       "an adapter in lm_systems/compat (with a test in tests/compat):\n  " + "\n  ".join(found))
+    found = [
+        *private_imports(tree),
+        *private_attributes_of_others(tree),
+        *private_members_of_framework_bases(path, tree),
+    ]
+    assert not found, (
+        f"{path.relative_to(REPO)} uses private names of Lightning, torch or Triton; put each behind "
+        "an adapter in lm_systems/compat (with a test in tests/compat):\n  " + "\n  ".join(found)
+    )

@@ -9,7 +9,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lm_systems.compat import torch as compat
@@ -30,7 +29,7 @@ def test_foreach_norm_takes_each_tensors_norm_in_the_dtype_asked():
     tensors = [torch.tensor([3.0, 4.0], dtype=torch.bfloat16), torch.tensor([[1.0], [-2.0]], dtype=torch.bfloat16)]
     norms = compat.foreach_norm(tensors, 2.0, dtype=torch.float32)
     assert [n.dtype for n in norms] == [torch.float32] * 2, broken("torch._foreach_norm's dtype")
-    assert torch.allclose(torch.stack(norms), torch.tensor([5.0, 5.0 ** 0.5])), broken("torch._foreach_norm")
+    assert torch.allclose(torch.stack(norms), torch.tensor([5.0, 5.0**0.5])), broken("torch._foreach_norm")
     assert [n.item() for n in compat.foreach_norm(tensors, float("inf"))] == [4.0, 2.0]
 
 
@@ -74,6 +73,7 @@ def test_fused_adamw_unscales_in_step_and_skips_on_the_device():
 def test_fused_adamw_divides_the_gradients_in_its_step_as_told():
     """Two steps, the first with ``grad_scale`` 4: the update of the first gradient divided by 4 (Adam is blind to
     a scale that every step shares, not to one that changes between steps)."""
+
     def trained(grads: list[torch.Tensor], divisors: list) -> torch.Tensor:
         param = torch.nn.Parameter(torch.linspace(-1, 1, 5))
         optimizer = torch.optim.AdamW([param], lr=0.1, weight_decay=0.5, fused=True)
@@ -106,8 +106,9 @@ def test_overflow_flags_are_the_scalers_per_device_flags():
 def test_memory_snapshot_functions_take_the_arguments_used():
     record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
     assert {"enabled", "max_entries"} <= set(record), broken("torch.cuda.memory._record_memory_history")
-    assert "filename" in inspect.signature(torch.cuda.memory._dump_snapshot).parameters, \
-        broken("torch.cuda.memory._dump_snapshot")
+    assert "filename" in inspect.signature(torch.cuda.memory._dump_snapshot).parameters, broken(
+        "torch.cuda.memory._dump_snapshot"
+    )
 
 
 @pytest.mark.gpu
@@ -133,8 +134,9 @@ def test_compiled_whole_sees_module_compile_but_not_a_compiled_forward():
 def one_rank_group(request, tmp_path):
     """A one-process group of the backend the test names (``gloo`` unless parametrized), destroyed afterwards."""
     backend = getattr(request, "param", "gloo")
-    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
     yield dist.group.WORLD
     dist.destroy_process_group()
 
@@ -153,8 +155,9 @@ def test_the_coalescing_pair_is_where_launched_as_one_looks():
 def test_launched_as_one_falls_back_to_each_works_where_the_backend_cannot_group(one_rank_group):
     tensors = [torch.full((3,), 2.0), torch.full((5,), 3.0)]
     assert not one_rank_group._get_backend(torch.device("cpu")).supports_coalescing  # gloo
-    works = compat.launched_as_one(one_rank_group, torch.device("cpu"),
-                                   lambda: reduce_each_to_rank_0(one_rank_group, tensors))
+    works = compat.launched_as_one(
+        one_rank_group, torch.device("cpu"), lambda: reduce_each_to_rank_0(one_rank_group, tensors)
+    )
     for work in works:
         work.wait()
     assert len(works) == 2 and [t.tolist() for t in tensors] == [[2.0] * 3, [3.0] * 5]

@@ -33,9 +33,12 @@ def build_calls(monkeypatch):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return function(*args, **kwargs)
+
         return wrapper
 
-    monkeypatch.setattr(datamodule_module, "train_bpe_tokenizer", counting("tokenizer", datamodule_module.train_bpe_tokenizer))
+    monkeypatch.setattr(
+        datamodule_module, "train_bpe_tokenizer", counting("tokenizer", datamodule_module.train_bpe_tokenizer)
+    )
     monkeypatch.setattr(datamodule_module, "build_token_cache", counting("tokens", datamodule_module.build_token_cache))
     return calls
 
@@ -61,5 +64,7 @@ def txt_corpus(tmp_path, documents):
 @pytest.fixture
 def jsonl_corpus(tmp_path, documents):
     path = tmp_path / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"story": doc, "id": i}) + "\n" for i, doc in enumerate(documents)), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps({"story": doc, "id": i}) + "\n" for i, doc in enumerate(documents)), encoding="utf-8"
+    )
     return path

@@ -64,8 +64,9 @@ def test_ids_written_anywhere_in_a_large_token_file_are_found(tmp_path, document
         assert open_token_cache(train.parent) is None
 
 
-@pytest.mark.parametrize("damage", [truncate, lambda path: path.write_text('{"tokens": {"train": 5')],
-                         ids=["truncated", "edited"])
+@pytest.mark.parametrize(
+    "damage", [truncate, lambda path: path.write_text('{"tokens": {"train": 5')], ids=["truncated", "edited"]
+)
 def test_a_damaged_meta_json_is_named_and_rebuilt(txt_corpus, tmp_path, build_calls, damage):
     meta = prepare(txt_corpus, tmp_path / "cache").token_splits.directory / "meta.json"
     damage(meta)

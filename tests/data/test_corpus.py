@@ -19,7 +19,9 @@ def tokenizer_file(tmp_path, small_tokenizer):
 
 
 def prepared(corpus, tokenizer_file, tmp_path, **kwargs) -> LMDataModule:
-    module = LMDataModule(corpus=str(corpus), tokenizer=str(tokenizer_file), cache_dir=str(tmp_path / "cache"), **kwargs)
+    module = LMDataModule(
+        corpus=str(corpus), tokenizer=str(tokenizer_file), cache_dir=str(tmp_path / "cache"), **kwargs
+    )
     module.prepare_data()
     return module
 
@@ -43,7 +45,9 @@ def test_txt_file_is_one_stream_and_its_tail_is_held_out(txt_corpus, tokenizer_f
     assert module.token_splits.tokens("train").dtype == np.uint16
 
 
-def test_jsonl_rows_are_documents_in_the_chosen_column(jsonl_corpus, tokenizer_file, small_tokenizer, documents, tmp_path):
+def test_jsonl_rows_are_documents_in_the_chosen_column(
+    jsonl_corpus, tokenizer_file, small_tokenizer, documents, tmp_path
+):
     module = prepared(jsonl_corpus, tokenizer_file, tmp_path, text_column="story", val_fraction=0.3)
     assert both_splits(module) == documents_stream(small_tokenizer, documents)
 
@@ -84,7 +88,9 @@ def test_hub_without_network_says_how_to_get_the_data_in(tmp_path, monkeypatch):
 
     monkeypatch.setattr("datasets.load_dataset", offline)  # corpus.py imports it where it reads
     source = resolve_corpus("roneneldan/TinyStories", tmp_path, generated_stories=1, seed=0)
-    with pytest.raises(ConnectionError, match=r"--data.corpus 'roneneldan/TinyStories'.*save_to_disk.*--data.corpus some_folder"):
+    with pytest.raises(
+        ConnectionError, match=r"--data.corpus 'roneneldan/TinyStories'.*save_to_disk.*--data.corpus some_folder"
+    ):
         load_corpus(source, tmp_path, "text")
 
 
@@ -121,6 +127,8 @@ def test_rows_without_text_are_an_error(tmp_path, tokenizer_file):
         prepared(path, tokenizer_file, tmp_path)
 
 
-def test_tokenizing_in_several_processes_keeps_the_order(jsonl_corpus, tokenizer_file, small_tokenizer, documents, tmp_path):
+def test_tokenizing_in_several_processes_keeps_the_order(
+    jsonl_corpus, tokenizer_file, small_tokenizer, documents, tmp_path
+):
     module = prepared(jsonl_corpus, tokenizer_file, tmp_path, text_column="story", num_proc=2)
     assert both_splits(module) == documents_stream(small_tokenizer, documents)

@@ -17,7 +17,9 @@ from lm_systems.data.tokenizer import END_OF_TEXT
 
 
 def generated(tmp_path, **kwargs) -> LMDataModule:
-    settings = dict(generated_stories=150, vocab_size=400, context_length=31, batch_size=5, cache_dir=str(tmp_path / "cache"))
+    settings = dict(
+        generated_stories=150, vocab_size=400, context_length=31, batch_size=5, cache_dir=str(tmp_path / "cache")
+    )
     return LMDataModule(**{**settings, **kwargs})
 
 
@@ -87,9 +89,17 @@ class BatchRecorder(L.LightningModule):
 def fit(tmp_path, datamodule, max_steps, accumulate, ckpt_path=None, callbacks=()):
     model = BatchRecorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=accumulate, limit_val_batches=0,
-        logger=False, enable_checkpointing=bool(callbacks), callbacks=list(callbacks), enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=list(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
     )
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     return model.seen
@@ -112,14 +122,18 @@ def test_resume_continues_the_stream_where_the_checkpoint_left_it(tmp_path, num_
 
 def test_context_longer_than_the_validation_split_names_the_flags(tmp_path):
     module = generated(tmp_path, context_length=2000)
-    with pytest.raises(ValueError, match="validation split .* too few .* --data.context_length 2000.*--data.val_fraction"):
+    with pytest.raises(
+        ValueError, match="validation split .* too few .* --data.context_length 2000.*--data.val_fraction"
+    ):
         module.setup("fit")
 
 
 def test_train_split_shorter_than_a_window_names_the_flag(tmp_path):
     path = tmp_path / "short.jsonl"
     path.write_text('{"text": "one two three four five six seven eight nine ten"}\n' * 3)
-    module = LMDataModule(corpus=str(path), vocab_size=260, context_length=500, val_fraction=0.5, cache_dir=str(tmp_path / "cache"))
+    module = LMDataModule(
+        corpus=str(path), vocab_size=260, context_length=500, val_fraction=0.5, cache_dir=str(tmp_path / "cache")
+    )
     with pytest.raises(ValueError, match="train split .* fewer than one window of --data.context_length 500"):
         module.setup("fit")
 
@@ -179,8 +193,16 @@ def test_two_processes_train_on_different_windows_and_split_validation(tmp_path)
     module = generated(tmp_path, val_batches=4)
     module.prepare_data()  # once here, so the ranks only read the cache
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=start, max_steps=3, val_check_interval=3, num_sanity_val_steps=0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=start,
+        max_steps=3,
+        val_check_interval=3,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )
     trainer.fit(RankRecorder(str(tmp_path)), datamodule=module)
@@ -202,8 +224,10 @@ def test_a_tokenizer_short_of_the_asked_vocabulary_says_why(tmp_path, caplog, mo
     module = generated(tmp_path, vocab_size=10_000)
     assert module.vocab_size < 10_000
     said = [record.getMessage() for record in caplog.records]
-    assert f"the BPE stopped at {module.vocab_size} tokens: every word that occurs twice in 'generated' is one token " \
-           "already, so no merge is left to learn" in said
+    assert (
+        f"the BPE stopped at {module.vocab_size} tokens: every word that occurs twice in 'generated' is one token "
+        "already, so no merge is left to learn" in said
+    )
     caplog.clear()
     assert generated(tmp_path / "other", vocab_size=300).vocab_size == 300  # reached: nothing to explain
     assert not [message for message in (r.getMessage() for r in caplog.records) if "stopped" in message]

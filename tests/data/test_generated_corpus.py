@@ -39,7 +39,10 @@ def test_stories_have_structure_a_small_model_can_learn():
 
 def test_pronouns_agree_with_the_hero():
     for story in generate_stories(200, 5):
-        opening = re.match(r"(?:Once upon a time, )?(?:there was |One day, )?(?:an? \w+ (\w+) named (\w+)|(\w+) was an? \w+ (\w+))", story)
+        opening = re.match(
+            r"(?:Once upon a time, )?(?:there was |One day, )?(?:an? \w+ (\w+) named (\w+)|(\w+) was an? \w+ (\w+))",
+            story,
+        )
         assert opening, story
         kind = opening.group(1) or opening.group(4)
         if kind == "girl":

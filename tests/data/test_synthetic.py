@@ -39,8 +39,9 @@ def test_a_resumed_stream_continues_where_the_whole_one_is():
 
 def test_validation_windows_are_the_same_set_on_any_number_of_ranks_and_apart_from_training():
     one = torch.cat(list(SyntheticValidation(50, 15, 3, windows=12, seed=3, rank=0, world_size=1)))
-    shares = [torch.cat(list(SyntheticValidation(50, 15, 3, windows=12, seed=3, rank=r, world_size=2)))
-              for r in range(2)]
+    shares = [
+        torch.cat(list(SyntheticValidation(50, 15, 3, windows=12, seed=3, rank=r, world_size=2))) for r in range(2)
+    ]
     assert one.shape == (12, 16)
     assert sorted(map(tuple, one.tolist())) == sorted(map(tuple, torch.cat(shares).tolist()))
     training = torch.cat(take(SyntheticTrainStream(50, 15, 3, seed=3), 4))

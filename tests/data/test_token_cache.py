@@ -112,7 +112,9 @@ def test_concurrent_processes_build_the_cache_once(txt_corpus, tmp_path):
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     log = tmp_path / "builds.log"
-    workers = [context.Process(target=_prepare_and_report, args=(txt_corpus, tmp_path / "cache", log, queue)) for _ in range(2)]
+    workers = [
+        context.Process(target=_prepare_and_report, args=(txt_corpus, tmp_path / "cache", log, queue)) for _ in range(2)
+    ]
     for worker in workers:
         worker.start()
     results = [queue.get(timeout=120) for _ in workers]

@@ -82,8 +82,12 @@ def test_dataloader_workers_keep_the_serial_order(unique_tokens):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("num_tokens, context_length, max_windows, world_size", [(1001, 16, 1000, 3), (5003, 7, 101, 2), (64, 9, 5, 1)])
-def test_validation_windows_do_not_overlap_and_spread_over_the_split(num_tokens, context_length, max_windows, world_size):
+@pytest.mark.parametrize(
+    "num_tokens, context_length, max_windows, world_size", [(1001, 16, 1000, 3), (5003, 7, 101, 2), (64, 9, 5, 1)]
+)
+def test_validation_windows_do_not_overlap_and_spread_over_the_split(
+    num_tokens, context_length, max_windows, world_size
+):
     starts = validation_window_starts(num_tokens, context_length, max_windows, world_size)
     available = (num_tokens - 1) // context_length
     assert len(starts) == min(available, max_windows) // world_size * world_size

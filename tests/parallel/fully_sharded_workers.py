@@ -13,14 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from parallel_workers import init_group
 from torch.func import functional_call
 
 from lm_systems.config import ModelConfig
 from lm_systems.model import TransformerLM
-from lm_systems.parallel import FullyShardedDataParallel
-from lm_systems.parallel import sharded_unit
+from lm_systems.parallel import FullyShardedDataParallel, sharded_unit
 from lm_systems.parallel.fully_sharded import DEFAULT_UNIT_TYPES
-from parallel_workers import init_group
 
 VOCAB, DIM, BATCH, STEPS, MICRO_BATCHES = 37, 13, 3, 3, 2
 CLIP = 0.5  # below the toy's gradient norms: every step clips
@@ -92,8 +91,12 @@ def cast_forward(model: ShardToy, tokens: torch.Tensor, dtype: torch.dtype | Non
         return model(tokens)
     cast_names = {f"{unit}.{name}" for unit in UNITS for name, _ in model.get_submodule(unit).named_parameters()}
     params = {name: p.to(dtype) if name in cast_names else p for name, p in model.named_parameters()}
-    hooks = [model.get_submodule(unit).register_forward_pre_hook(
-        lambda m, args: tuple(a.to(dtype) if a.is_floating_point() else a for a in args)) for unit in UNITS]
+    hooks = [
+        model.get_submodule(unit).register_forward_pre_hook(
+            lambda m, args: tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+        )
+        for unit in UNITS
+    ]
     try:
         return functional_call(model, params, (tokens,))
     finally:
@@ -122,17 +125,24 @@ class CollectiveLog:
     def __init__(self, model: FullyShardedDataParallel) -> None:
         self.events: list[str] = []
         self._model = model
-        self._originals = {name: getattr(sharded_unit, name) for name in ("_all_gather_params", "_reduce_scatter_grads")}
+        self._originals = {
+            name: getattr(sharded_unit, name) for name in ("_all_gather_params", "_reduce_scatter_grads")
+        }
 
     def __enter__(self) -> "CollectiveLog":
         for name, original in self._originals.items():
+
             def launch(*args, _name=name, _original=original, **kwargs):
                 self.events.append("all_gather" if _name == "_all_gather_params" else "reduce_scatter")
                 return _original(*args, **kwargs)
 
             setattr(sharded_unit, name, launch)
-        self._hooks = [self._model.module.get_submodule(unit).register_forward_hook(
-            lambda m, a, o, _unit=unit: self.events.append(f"forward {_unit}")) for unit in UNITS]
+        self._hooks = [
+            self._model.module.get_submodule(unit).register_forward_hook(
+                lambda m, a, o, _unit=unit: self.events.append(f"forward {_unit}")
+            )
+            for unit in UNITS
+        ]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -216,8 +226,9 @@ def resident_bytes_after_training(rank: int) -> dict:
     parameter and gradient storage this rank holds: module parameters, their gradients, and the gathered
     copies the wrapper keeps between uses."""
     torch.manual_seed(0)
-    config = ModelConfig.from_name("tiny", vocab_size=65, d_model=32, num_layers=2, num_heads=2, d_ff=48,
-                                   context_length=16)
+    config = ModelConfig.from_name(
+        "tiny", vocab_size=65, d_model=32, num_layers=2, num_heads=2, d_ff=48, context_length=16
+    )
     lm = TransformerLM(config)
     model = FullyShardedDataParallel(lm, units=lm.blocks)
     optimizer = make_optimizer(model.module.parameters())
@@ -233,5 +244,7 @@ def resident_bytes_after_training(rank: int) -> dict:
     return {
         "resident": storage_bytes(params + [p.grad for p in params] + gathered),
         "gathered": storage_bytes(gathered),
-        "model_shapes": {name: (tuple(p.shape), p.element_size()) for name, p in TransformerLM(config).named_parameters()},
+        "model_shapes": {
+            name: (tuple(p.shape), p.element_size()) for name, p in TransformerLM(config).named_parameters()
+        },
     }

@@ -58,19 +58,28 @@ def global_batches(world_size: int, micro_batches: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (world_size, micro_batches, BATCH, 7), generator=g) for _ in range(STEPS)]
 
 
-def make_optimizer(model: nn.Module, sharded: str | None, exchange_stages: int = 1,
-                   process_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module, sharded: str | None, exchange_stages: int = 1, process_group: dist.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
     """AdamW over two groups; the sharded one (``sharded``: its exchange) gets its second group through
     add_param_group."""
     named = dict(model.named_parameters())
     first = [named[n] for n in ("embed.weight", "hidden.weight", "hidden.bias")]
-    second = [p for n, p in named.items() if p.requires_grad and n not in ("embed.weight", "hidden.weight", "hidden.bias")]
+    second = [
+        p for n, p in named.items() if p.requires_grad and n not in ("embed.weight", "hidden.weight", "hidden.bias")
+    ]
     # A large eps keeps the update sensitive to the gradient scale (plain Adam is nearly scale-invariant).
     kwargs = dict(lr=0.05, weight_decay=0.1, betas=(0.8, 0.9), eps=0.1)
     if sharded is None:
         return torch.optim.AdamW([{"params": first}, {"params": second, "lr": 0.02}], **kwargs)
-    optimizer = ShardedOptimizer(first, torch.optim.AdamW, exchange=sharded, exchange_stages=exchange_stages,
-                                 process_group=process_group, **kwargs)
+    optimizer = ShardedOptimizer(
+        first,
+        torch.optim.AdamW,
+        exchange=sharded,
+        exchange_stages=exchange_stages,
+        process_group=process_group,
+        **kwargs,
+    )
     optimizer.add_param_group({"params": second, "lr": 0.02})
     return optimizer
 
@@ -81,9 +90,9 @@ def reference_training(initial: nn.Module, world_size: int, micro_batches: int):
     optimizer = make_optimizer(model, None)
     for batch in global_batches(world_size, micro_batches):
         optimizer.zero_grad()
-        loss = sum(
-            shard_loss(model, batch[r, m], r) for r in range(world_size) for m in range(micro_batches)
-        ) / (world_size * micro_batches)
+        loss = sum(shard_loss(model, batch[r, m], r) for r in range(world_size) for m in range(micro_batches)) / (
+            world_size * micro_batches
+        )
         loss.backward()
         optimizer.step()
     return model, optimizer
@@ -146,8 +155,15 @@ CONTAINERS = {
 TOLERANCE = {"bucketed_bf16_comm": 2e-3}
 
 
-def train_with(container: str, rank: int, world_size: int, set_to_none: bool = True, sharded: str | None = None,
-               exchange_stages: int = 1, exchange_group: dist.ProcessGroup | None = None):
+def train_with(
+    container: str,
+    rank: int,
+    world_size: int,
+    set_to_none: bool = True,
+    sharded: str | None = None,
+    exchange_stages: int = 1,
+    exchange_group: dist.ProcessGroup | None = None,
+):
     """Train a fresh, rank-seeded ToyNet; returns (what the tests check, the container, its optimizer)."""
     torch.manual_seed(100 + rank)  # every rank starts from different weights: the container must broadcast
     before = ToyNet()
@@ -208,8 +224,9 @@ def run_sharded(rank: int, world_size: int, port: int, out_dir: str) -> None:
         own_group = dist.new_group(backend="gloo", timeout=TIMEOUT)
         for name, exchange, stages in SHARDED_RUNS:
             group = own_group if name.endswith("own_group") else None
-            report, model, optimizer = train_with("bucketed", rank, world_size, sharded=exchange, exchange_stages=stages,
-                                                  exchange_group=group)
+            report, model, optimizer = train_with(
+                "bucketed", rank, world_size, sharded=exchange, exchange_stages=stages, exchange_group=group
+            )
             named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
             report["owned"] = [n for n, p in named if optimizer.owner(p) == rank]
             report["state_keys"] = [n for n, p in named if p in optimizer.state]
@@ -224,8 +241,14 @@ def run_sharded(rank: int, world_size: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-SHARDED_RUNS = [("p2p", "p2p", 4), ("broadcast", "broadcast", 4), ("p2p_one_stage", "p2p", 1),
-                ("p2p_many_stages", "p2p", 16), ("p2p_own_group", "p2p", 4), ("broadcast_own_group", "broadcast", 4)]
+SHARDED_RUNS = [
+    ("p2p", "p2p", 4),
+    ("broadcast", "broadcast", 4),
+    ("p2p_one_stage", "p2p", 1),
+    ("p2p_many_stages", "p2p", 16),
+    ("p2p_own_group", "p2p", 4),
+    ("broadcast_own_group", "broadcast", 4),
+]
 # *_own_group: the exchange runs on a process group of its own, not the default one.
 
 
@@ -242,8 +265,10 @@ def step_order(model: BucketedDDP, optimizer: ShardedOptimizer, rank: int) -> li
 
         return launch
 
-    launchers = {"batch_isend_irecv": (dist.batch_isend_irecv, lambda args, kwargs: args[0][0].group),
-                 "broadcast": (dist.broadcast, lambda args, kwargs: kwargs.get("group"))}
+    launchers = {
+        "batch_isend_irecv": (dist.batch_isend_irecv, lambda args, kwargs: args[0][0].group),
+        "broadcast": (dist.broadcast, lambda args, kwargs: kwargs.get("group")),
+    }
     for name, (original, group_of) in launchers.items():
         setattr(dist, name, recording(original, group_of))
     hooks = [stage.register_step_post_hook(lambda *_: events.append("step")) for stage in optimizer._stages]

@@ -74,9 +74,11 @@ class Block(nn.Module):
 
 def test_runs_within_buckets_join_blocks_of_one_bucket_and_leave_a_spanning_block_alone():
     b = [Block(4, 4) for _ in range(6)]
-    buckets = [[*b[5].parameters(), *b[4].parameters()],
-               [*b[3].parameters(), *b[2].parameters(), b[1].weights[1]],
-               [b[1].weights[0], *b[0].parameters()]]
+    buckets = [
+        [*b[5].parameters(), *b[4].parameters()],
+        [*b[3].parameters(), *b[2].parameters(), b[1].weights[1]],
+        [b[1].weights[0], *b[0].parameters()],
+    ]
     assert runs_within_buckets(b, buckets) == [1, 1, 2, 2]  # b0 | b1 spans two buckets | b2 b3 | b4 b5
 
 
@@ -102,6 +104,6 @@ def test_runs_of_a_model_fit_its_buckets():
     bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
     first = 0
     for size in runs:
-        homes = {bucket_of[id(p)] for block in model.blocks[first:first + size] for p in block.parameters()}
+        homes = {bucket_of[id(p)] for block in model.blocks[first : first + size] for p in block.parameters()}
         assert size == 1 or len(homes) == 1
         first += size

@@ -2,9 +2,17 @@
 
 import pytest
 import torch
+from fully_sharded_workers import (
+    CLIP,
+    COMPUTE_DTYPES,
+    UNITS,
+    ShardToy,
+    global_batches,
+    loss_of,
+    make_optimizer,
+    run_fully_sharded,
+)
 
-from fully_sharded_workers import (CLIP, COMPUTE_DTYPES, UNITS, ShardToy, global_batches, loss_of, make_optimizer,
-                                   run_fully_sharded)
 from lm_systems.parallel import FullyShardedDataParallel
 
 # fp32: the same arithmetic as one process up to summation order (measured 1.2e-7). bf16 / fp16: each rank's
@@ -24,8 +32,9 @@ def runs(tmp_path_factory, spawn_two_ranks):
 def assert_params_close(actual: dict, expected: dict, atol: float) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name].detach(), expected[name].detach(), atol=atol, rtol=0,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name].detach(), expected[name].detach(), atol=atol, rtol=0, msg=lambda m: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
@@ -50,8 +59,12 @@ def test_the_tolerance_tells_the_compute_dtype_from_float32(runs, dtype):
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 def test_clip_grad_norm_returns_the_global_norm(runs, dtype):
     for rank in range(2):
-        torch.testing.assert_close(torch.stack(runs[rank][dtype]["norms"]), torch.stack(runs[0][dtype]["reference_norms"]),
-                                   rtol=1e-5 if dtype == "fp32" else 1e-2, atol=0)
+        torch.testing.assert_close(
+            torch.stack(runs[rank][dtype]["norms"]),
+            torch.stack(runs[0][dtype]["reference_norms"]),
+            rtol=1e-5 if dtype == "fp32" else 1e-2,
+            atol=0,
+        )
     assert min(runs[0][dtype]["reference_norms"]) > CLIP, "every step clips"
 
 
@@ -135,8 +148,9 @@ def assert_optimizer_states_close(actual: dict, expected: dict) -> None:
     for index, values in expected["state"].items():
         assert actual["state"][index].keys() == values.keys()
         for key, value in values.items():
-            torch.testing.assert_close(actual["state"][index][key], value, atol=1e-6, rtol=1e-4,
-                                       msg=lambda m: f"param {index} {key}: {m}")
+            torch.testing.assert_close(
+                actual["state"][index][key], value, atol=1e-6, rtol=1e-4, msg=lambda m: f"param {index} {key}: {m}"
+            )
 
 
 def test_checkpoint_from_two_ranks_resumes_on_one(runs, single_rank_group):
@@ -249,8 +263,10 @@ class KeywordToy(torch.nn.Module):
 
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
 def test_a_unit_called_with_keywords_casts_its_tensors_and_reduces_its_gradients(single_rank_group, compute_dtype):
-    reference, wrapped = KeywordToy(), FullyShardedDataParallel(KeywordToy(), compute_dtype=compute_dtype,
-                                                                unit_types=(KeywordUnit,))
+    reference, wrapped = (
+        KeywordToy(),
+        FullyShardedDataParallel(KeywordToy(), compute_dtype=compute_dtype, unit_types=(KeywordUnit,)),
+    )
     x = torch.randn(3, 4)
     reference(x).backward()
     wrapped(x).backward()
@@ -259,8 +275,13 @@ def test_a_unit_called_with_keywords_casts_its_tensors_and_reduces_its_gradients
     assert wrapped.module.unit.seen == [(dtype, float, dtype)]
     tolerance = 0 if compute_dtype is None else 0.05
     for name, param in reference.named_parameters():
-        torch.testing.assert_close(wrapped.module.get_parameter(name).grad, param.grad, atol=tolerance,
-                                   rtol=tolerance, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            wrapped.module.get_parameter(name).grad,
+            param.grad,
+            atol=tolerance,
+            rtol=tolerance,
+            msg=lambda m: f"{name}: {m}",
+        )
 
 
 def test_a_shard_whose_data_is_replaced_is_gathered_with_its_new_values(single_rank_group):

@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-
 from parallel_workers import CONTAINERS, TOLERANCE, VOCAB, ToyNet, run_containers
 
 RUNS = [*CONTAINERS, "bucketed_keep_grads"]
@@ -56,8 +55,9 @@ def test_no_communication_inside_no_sync(runs, name):
         assert runs[rank][name]["no_sync_all_reduces"] == 0
 
 
-@pytest.mark.parametrize("name", ["individual", "bucketed", "bucketed_keep_grads", "bucketed_bf16_comm",
-                                  "bucketed_compiled_layer"])
+@pytest.mark.parametrize(
+    "name", ["individual", "bucketed", "bucketed_keep_grads", "bucketed_bf16_comm", "bucketed_compiled_layer"]
+)
 def test_overlapping_containers_communicate_during_backward(runs, name):
     # Rank 0 uses every parameter but ``never_used``, whose unit comes last: all earlier units launch early.
     assert min(runs[0][name]["all_reduces_during_backward"]) > 0
@@ -146,8 +146,10 @@ def test_bucketed_matches_one_process_when_a_parameter_drops_out(single_rank_gro
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (reference, model.module)]
     x = torch.randn(3, 4)
     for use_b in (True, False, False):
-        for net, optimizer, finish in ((reference, optimizers[0], None),
-                                       (model, optimizers[1], model.finish_gradient_synchronization)):
+        for net, optimizer, finish in (
+            (reference, optimizers[0], None),
+            (model, optimizers[1], model.finish_gradient_synchronization),
+        ):
             if not zero_grad_after_forward:
                 optimizer.zero_grad(set_to_none=True)
             loss = net(x, use_b).square().sum()

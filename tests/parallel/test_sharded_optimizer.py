@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from parallel_workers import SHARDED_RUNS, ToyNet, make_optimizer, run_sharded
 
 from lm_systems.parallel import ShardedOptimizer
 from lm_systems.parallel.stages import cut_into_stages
-from parallel_workers import SHARDED_RUNS, ToyNet, make_optimizer, run_sharded
 
 RUNS = [name for name, _, _ in SHARDED_RUNS]  # p2p / broadcast exchange; 1 (the default), 4 or 16 stages
 STAGES = {name: stages for name, _, stages in SHARDED_RUNS}
@@ -63,13 +63,16 @@ def test_one_stage_steps_the_whole_shard_then_exchanges(runs):
         assert runs[rank]["p2p_one_stage"]["step_order"] == ["step", "exchange"]
 
 
-@pytest.mark.parametrize(("sizes", "parts", "expected"), [
-    ([5] * 8, 4, [0, 0, 1, 1, 2, 2, 3, 3]),
-    ([100, 1, 1, 1], 4, [1, 3, 3, 3]),  # a parameter goes where its middle falls
-    ([3, 3], 4, [1, 3]),  # more parts than parameters: some parts stay empty
-    ([7], 1, [0]),
-    ([], 4, []),
-])
+@pytest.mark.parametrize(
+    ("sizes", "parts", "expected"),
+    [
+        ([5] * 8, 4, [0, 0, 1, 1, 2, 2, 3, 3]),
+        ([100, 1, 1, 1], 4, [1, 3, 3, 3]),  # a parameter goes where its middle falls
+        ([3, 3], 4, [1, 3]),  # more parts than parameters: some parts stay empty
+        ([7], 1, [0]),
+        ([], 4, []),
+    ],
+)
 def test_cut_into_stages_of_about_equal_size(sizes, parts, expected):
     assert cut_into_stages(sizes, parts) == expected
 
@@ -95,8 +98,9 @@ def test_consolidated_state_is_the_unsharded_optimizer_state(runs):
 
 def test_loading_a_single_process_state_on_two_ranks_continues_its_trajectory(runs):
     for rank in range(2):
-        assert_state_close(runs[rank]["resumed_from_single_process"]["final"],
-                           runs[0]["resumed_from_single_process"]["reference"])
+        assert_state_close(
+            runs[rank]["resumed_from_single_process"]["final"], runs[0]["resumed_from_single_process"]["reference"]
+        )
 
 
 def test_consolidated_state_from_two_ranks_loads_on_one(runs, single_rank_group):
@@ -119,9 +123,11 @@ def test_without_a_process_group_the_error_says_how_to_start_one():
         make_optimizer(ToyNet(), "p2p")
 
 
-@pytest.mark.parametrize("world_size, sizes", [(2, [600, 300, 300, 10, 10, 10, 10, 10, 10]),
-                                               (3, [600, 400, 400, 200, 200])],
-                         ids=["two-ranks", "three-ranks"])
+@pytest.mark.parametrize(
+    "world_size, sizes",
+    [(2, [600, 300, 300, 10, 10, 10, 10, 10, 10]), (3, [600, 400, 400, 200, 200])],
+    ids=["two-ranks", "three-ranks"],
+)
 def test_shards_hold_equal_elements_where_the_sizes_allow(single_rank_group, monkeypatch, world_size, sizes):
     """Sizes that split into equal element counts (by hand: 630 + 630; 600 + 600 + 600) and whose largest-first
     sharing finds the split; sharing by parameter count would not (930 + 330; 800 + 600 + 400)."""

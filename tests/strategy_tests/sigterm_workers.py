@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-
 from strategy_workers import TinyData, TinyLM, join_as_launched_process
 
 SIGNAL_AFTER = 2  # training batches, counted from 1; every batch is an optimizer step
@@ -57,18 +56,30 @@ def run_sigterm(rank: int, world_size: int, port: int, out_dir: str, strategies:
         for strategy in strategies:
             for signalled in (0, 1):
                 stopper = SigtermAfter(signalled)
-                trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=MAX_STEPS,
-                                    limit_val_batches=0, logger=False, enable_checkpointing=False,
-                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[stopper],
-                                    use_distributed_sampler=False)
+                trainer = L.Trainer(
+                    accelerator="cpu",
+                    devices=world_size,
+                    strategy=strategy,
+                    max_steps=MAX_STEPS,
+                    limit_val_batches=0,
+                    logger=False,
+                    enable_checkpointing=False,
+                    enable_progress_bar=False,
+                    enable_model_summary=False,
+                    callbacks=[stopper],
+                    use_distributed_sampler=False,
+                )
                 try:
                     trainer.fit(TinyLM(), datamodule=TinyData())
                     ended = "finished"
                 except SIGTERMException:
                     ended = "SIGTERM"
-                results[strategy, signalled] = {"ended": ended, "batches": stopper.batches,
-                                                "global_step": trainer.global_step,
-                                                "default_group_broadcasts": stopper.default_group_broadcasts}
+                results[strategy, signalled] = {
+                    "ended": ended,
+                    "batches": stopper.batches,
+                    "global_step": trainer.global_step,
+                    "default_group_broadcasts": stopper.default_group_broadcasts,
+                }
         torch.save(results, Path(out_dir) / f"sigterm_rank{rank}.pt")
     finally:
         if dist.is_initialized():

@@ -30,7 +30,9 @@ CLIP = 5.0
 # Below every gradient norm of these runs, so every step clips: the tests of containers that shard gradients
 # (zero3, zero1 reducing to owners) clip at it, and end where one process does only if the norm is over all ranks'.
 ENGAGED_CLIP = 0.3
-COMMUNICATING = [(dist, name) for name in ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")]
+COMMUNICATING = [
+    (dist, name) for name in ("all_reduce", "broadcast", "batch_isend_irecv", "all_gather", "reduce_scatter")
+]
 COMMUNICATING.append((GradientAverager, "start"))  # the containers' gradient all-reduces bypass dist.all_reduce
 COMMUNICATING.append((GradientAverager, "start_to_owners"))  # and zero1's reduces to owners dist.reduce
 COMMUNICATING.append((sharded_unit, "_reduce_scatter_grads"))  # zero3's gradient reduce-scatters
@@ -186,8 +188,9 @@ def make_strategy(name: str):
     return name
 
 
-def make_trainer(strategy, devices: int, out_dir: str, tag: str, accelerator: str = "cpu", clip: float = CLIP,
-                 **kwargs) -> L.Trainer:
+def make_trainer(
+    strategy, devices: int, out_dir: str, tag: str, accelerator: str = "cpu", clip: float = CLIP, **kwargs
+) -> L.Trainer:
     return L.Trainer(
         accelerator=accelerator,
         devices=devices,
@@ -218,29 +221,37 @@ def single_process_reference(out_dir, clip: float = CLIP) -> dict:
 def join_as_launched_process(rank: int, world_size: int, port: int) -> None:
     """Make this process look started by an external launcher (as torchrun would): Lightning's popen
     launcher then starts nothing, and every Trainer in the process joins (and reuses) one process group."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), NODE_RANK="0"
+    )
 
 
-def run_cpu_strategies(rank: int, world_size: int, port: int, out_dir: str, names: list[str],
-                       clip: float = CLIP) -> None:
+def run_cpu_strategies(
+    rank: int, world_size: int, port: int, out_dir: str, names: list[str], clip: float = CLIP
+) -> None:
     """Each strategy once; the CHECKPOINTED ones keep their end-of-epoch checkpoints and are then resumed
     from epoch 0's."""
     join_as_launched_process(rank, world_size, port)
     try:
         for name in names:
             if name in CHECKPOINTED:
-                checkpoint = ModelCheckpoint(dirpath=Path(out_dir) / f"{name}_ckpt", every_n_epochs=1, save_top_k=-1,
-                                             save_on_train_epoch_end=True)
+                checkpoint = ModelCheckpoint(
+                    dirpath=Path(out_dir) / f"{name}_ckpt",
+                    every_n_epochs=1,
+                    save_top_k=-1,
+                    save_on_train_epoch_end=True,
+                )
                 trainer = make_trainer(name, world_size, out_dir, name, clip=clip, callbacks=[checkpoint])
             else:
-                trainer = make_trainer(make_strategy(name), world_size, out_dir, name, clip=clip,
-                                       enable_checkpointing=False)
+                trainer = make_trainer(
+                    make_strategy(name), world_size, out_dir, name, clip=clip, enable_checkpointing=False
+                )
             trainer.fit(TinyLM(), datamodule=TinyData())
         for name in CHECKPOINTED:
             if name in names:
-                trainer = make_trainer(name, world_size, out_dir, f"{name}_resumed", clip=clip,
-                                       enable_checkpointing=False)
+                trainer = make_trainer(
+                    name, world_size, out_dir, f"{name}_resumed", clip=clip, enable_checkpointing=False
+                )
                 trainer.fit(TinyLM(), datamodule=TinyData(), ckpt_path=str(epoch0_checkpoint(out_dir, name)))
     finally:
         if dist.is_initialized():
@@ -270,15 +281,22 @@ class LossAndWeights(Callback):
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 
-def run_gpu_strategies(rank: int, world_size: int, port: int, out_dir: str, names: list[str],
-                       precisions: list[str]) -> None:
+def run_gpu_strategies(
+    rank: int, world_size: int, port: int, out_dir: str, names: list[str], precisions: list[str]
+) -> None:
     """Every (strategy, precision) on one GPU per process; checkpoints on, so zero1 consolidates over NCCL."""
     join_as_launched_process(rank, world_size, port)
     try:
         for precision in precisions:
             for name in names:
-                trainer = make_trainer(make_strategy(name), world_size, out_dir, f"{name}_{precision}",
-                                       accelerator="gpu", precision=precision)
+                trainer = make_trainer(
+                    make_strategy(name),
+                    world_size,
+                    out_dir,
+                    f"{name}_{precision}",
+                    accelerator="gpu",
+                    precision=precision,
+                )
                 trainer.fit(TinyLM(compile_hidden=name.endswith("+compiled")), datamodule=TinyData())
     finally:
         if dist.is_initialized():

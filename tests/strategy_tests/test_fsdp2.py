@@ -11,11 +11,32 @@ from torch.distributed.tensor import DTensor
 
 
 def train(train_py, strategy: str, run_dir: Path) -> dict[str, torch.Tensor]:
-    train_py.run_ok(*train_py.tiny, "--strategy", strategy, "--accelerator", "cpu", "--devices", "2",
-                    "--precision", "32-true", "--max_steps", "4", "--accumulate_grad_batches", "2",
-                    "--trainer.gradient_clip_val", "0.05", "--trainer.log_every_n_steps", "1",
-                    "--model.num_layers", "2", "--data.val_batches", "2", "--trainer.val_check_interval", "4",
-                    cwd=run_dir)
+    train_py.run_ok(
+        *train_py.tiny,
+        "--strategy",
+        strategy,
+        "--accelerator",
+        "cpu",
+        "--devices",
+        "2",
+        "--precision",
+        "32-true",
+        "--max_steps",
+        "4",
+        "--accumulate_grad_batches",
+        "2",
+        "--trainer.gradient_clip_val",
+        "0.05",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--model.num_layers",
+        "2",
+        "--data.val_batches",
+        "2",
+        "--trainer.val_check_interval",
+        "4",
+        cwd=run_dir,
+    )
     (last,) = run_dir.rglob("last.ckpt")
     checkpoint = torch.load(last, map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == 4

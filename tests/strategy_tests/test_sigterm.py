@@ -5,7 +5,6 @@ every batch and from its signal handler; with it, both of these runs hang)."""
 from __future__ import annotations
 
 import pytest
-
 from sigterm_workers import MAX_STEPS, SIGNAL_AFTER, run_sigterm
 from strategy_workers import load_ranks
 

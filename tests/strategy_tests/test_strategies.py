@@ -10,15 +10,30 @@ from __future__ import annotations
 
 import pytest
 import torch
+from strategy_workers import (
+    ACCUMULATE,
+    EPOCHS,
+    STEPS_PER_EPOCH,
+    TinyData,
+    TinyLM,
+    load_ranks,
+    make_trainer,
+    run_cpu_strategies,
+    single_process_reference,
+    zero1_epoch0_checkpoint,
+)
 
 import strategies  # noqa: F401  (registers the strategy names)
 from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB, ONE_HOST_BUCKET_MB
-from strategy_workers import (ACCUMULATE, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, load_ranks, make_trainer,
-                              run_cpu_strategies, single_process_reference, zero1_epoch0_checkpoint)
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "bucketed_ddp+no_thread"]
-WRAPPERS = {"naive_ddp": "NaiveDDP", "overlap_ddp": "PerParameterDDP", "bucketed_ddp": "BucketedDDP",
-            "zero1": "BucketedDDP", "bucketed_ddp+no_thread": "BucketedDDP"}
+WRAPPERS = {
+    "naive_ddp": "NaiveDDP",
+    "overlap_ddp": "PerParameterDDP",
+    "bucketed_ddp": "BucketedDDP",
+    "zero1": "BucketedDDP",
+    "bucketed_ddp+no_thread": "BucketedDDP",
+}
 # zero1 reduces each gradient only to the rank that steps it: its hooks see that rank's gradients, whose norms
 # combine into one process's (tests/strategy_tests/test_zero1_clipping.py); with grad_reduce all_reduce, all of them.
 HOOKS_SEE_ALL_GRADIENTS = [name for name in STRATEGIES if name != "zero1"]
@@ -145,14 +160,17 @@ def test_spawn_variant_through_lightnings_launcher(out_dir, reference):
         assert_state_close(result["final"], reference["final"])
 
 
-@pytest.mark.parametrize("strategy, options, said", [
-    ("BucketedDDPStrategy", {"bucket_size_mb": 0}, "bucket_size_mb"),
-    ("Zero1Strategy", {"bucket_size_mb": float("nan")}, "bucket_size_mb"),
-    ("BucketedDDPStrategy", {"grad_comm_dtype": "int8"}, "grad_comm_dtype"),
-    ("BucketedDDPStrategy", {"comm_max_ctas": 0}, "comm_max_ctas"),
-    ("Zero1Strategy", {"exchange": "allgather"}, "init_args.exchange"),
-    ("Zero1Strategy", {"exchange_stages": 0}, "init_args.exchange_stages"),
-])
+@pytest.mark.parametrize(
+    "strategy, options, said",
+    [
+        ("BucketedDDPStrategy", {"bucket_size_mb": 0}, "bucket_size_mb"),
+        ("Zero1Strategy", {"bucket_size_mb": float("nan")}, "bucket_size_mb"),
+        ("BucketedDDPStrategy", {"grad_comm_dtype": "int8"}, "grad_comm_dtype"),
+        ("BucketedDDPStrategy", {"comm_max_ctas": 0}, "comm_max_ctas"),
+        ("Zero1Strategy", {"exchange": "allgather"}, "init_args.exchange"),
+        ("Zero1Strategy", {"exchange_stages": 0}, "init_args.exchange_stages"),
+    ],
+)
 def test_bad_option_names_the_option(strategy, options, said):
     with pytest.raises(ValueError, match=said):
         getattr(strategies, strategy)(**options)

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import strategies  # noqa: F401  (registers the strategy names)
 from strategy_workers import TinyData, TinyLM, make_trainer, run_gpu_strategies
 
-STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "zero1+stages1", "bucketed_ddp+bf16",
-              "bucketed_ddp+compiled"]
+import strategies  # noqa: F401  (registers the strategy names)
+
+STRATEGIES = [
+    "naive_ddp",
+    "overlap_ddp",
+    "bucketed_ddp",
+    "zero1",
+    "zero1+stages1",
+    "bucketed_ddp+bf16",
+    "bucketed_ddp+compiled",
+]
 PRECISIONS = ["bf16-mixed", "16-mixed"]
 REDUCED_TO_OWNERS = ("zero1", "zero1+stages1")  # each rank's hooks see the gradients it steps, no others
 
@@ -33,8 +40,15 @@ def references(out_dir) -> dict[str, dict]:
     """One GPU, the whole global batch per micro-batch, in each precision (after the two-GPU runs)."""
     records = {}
     for precision in PRECISIONS:
-        trainer = make_trainer("auto", 1, str(out_dir), f"reference_{precision}", accelerator="gpu",
-                               precision=precision, enable_checkpointing=False)
+        trainer = make_trainer(
+            "auto",
+            1,
+            str(out_dir),
+            f"reference_{precision}",
+            accelerator="gpu",
+            precision=precision,
+            enable_checkpointing=False,
+        )
         trainer.fit(TinyLM(), datamodule=TinyData())
         records[precision] = torch.load(out_dir / f"reference_{precision}_rank0.pt")
     return records
@@ -63,8 +77,11 @@ def test_training_matches_one_gpu_on_the_global_batch(out_dir, references, name,
     runs = [torch.load(out_dir / f"{name}_{precision}_rank{rank}.pt") for rank in range(2)]
     # Pre-clip norms, as the CPU test compares them (clipping at CLIP never engages); where each rank holds only the
     # gradients it steps, the two ranks' norms combine into the global batch's.
-    norms = ([torch.tensor(run["grad_norms"]) for run in runs] if name not in REDUCED_TO_OWNERS
-             else [torch.tensor(runs[0]["grad_norms"]).hypot(torch.tensor(runs[1]["grad_norms"]))])
+    norms = (
+        [torch.tensor(run["grad_norms"]) for run in runs]
+        if name not in REDUCED_TO_OWNERS
+        else [torch.tensor(runs[0]["grad_norms"]).hypot(torch.tensor(runs[1]["grad_norms"]))]
+    )
     for norm in norms:
         torch.testing.assert_close(norm, torch.tensor(reference["grad_norms"]), rtol=1e-2, atol=0)
     for run in runs:

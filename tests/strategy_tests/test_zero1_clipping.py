@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from strategy_workers import ENGAGED_CLIP, load_ranks, run_cpu_strategies, single_process_reference
 
 import strategies
 from strategies.zero1 import _owner_lookup
-from strategy_workers import ENGAGED_CLIP, load_ranks, run_cpu_strategies, single_process_reference
 
 CLIP = ENGAGED_CLIP  # every step clips, by the norm over both ranks' gradients
 RUNS = ["zero1", "zero1+all_reduce"]
@@ -42,8 +42,9 @@ def test_trains_like_one_process_with_every_step_clipped(runs, reference, name):
     for result in runs[name]:
         assert result["wrapper"] == "BucketedDDP"
         for name, expected in reference["final"].items():
-            torch.testing.assert_close(result["final"][name], expected, atol=1e-5, rtol=1e-4,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                result["final"][name], expected, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+            )
         assert result["lrs"] == pytest.approx(reference["lrs"])
         assert result["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
 

@@ -5,13 +5,25 @@ and `python train.py --strategy zero3_spawn` end to end."""
 from __future__ import annotations
 
 import re
+
 import pytest
 import torch
+from strategy_workers import (
+    ACCUMULATE,
+    ENGAGED_CLIP,
+    EPOCHS,
+    STEPS_PER_EPOCH,
+    TinyData,
+    TinyLM,
+    epoch0_checkpoint,
+    load_ranks,
+    make_trainer,
+    run_cpu_strategies,
+    single_process_reference,
+)
 
 import strategies
 from strategies.zero3 import resolve_compute_dtype
-from strategy_workers import (ACCUMULATE, ENGAGED_CLIP, EPOCHS, STEPS_PER_EPOCH, TinyData, TinyLM, epoch0_checkpoint,
-                              load_ranks, make_trainer, run_cpu_strategies, single_process_reference)
 
 CLIP = ENGAGED_CLIP  # every step clips, by the norm over all ranks' shards (the other strategies' tests: never)
 
@@ -99,11 +111,18 @@ def test_bad_prefetch_names_the_option(prefetch):
         strategies.Zero3Strategy(prefetch=prefetch)
 
 
-@pytest.mark.parametrize("choice, precision, expected", [
-    ("auto", "bf16-mixed", torch.bfloat16), ("auto", "bf16-true", torch.bfloat16), ("auto", "16-mixed", None),
-    ("auto", "32-true", None), ("fp32", "bf16-mixed", None), ("bf16", "32-true", torch.bfloat16),
-    ("fp16", "16-mixed", torch.float16),
-])
+@pytest.mark.parametrize(
+    "choice, precision, expected",
+    [
+        ("auto", "bf16-mixed", torch.bfloat16),
+        ("auto", "bf16-true", torch.bfloat16),
+        ("auto", "16-mixed", None),
+        ("auto", "32-true", None),
+        ("fp32", "bf16-mixed", None),
+        ("bf16", "32-true", torch.bfloat16),
+        ("fp16", "16-mixed", torch.float16),
+    ],
+)
 def test_weights_are_gathered_in_bf16_under_bf16_precisions_unless_asked_otherwise(choice, precision, expected):
     """auto follows torch FSDP2's mixed-precision recipe (bf16 parameters under bf16); None: the masters' dtype."""
     assert resolve_compute_dtype(choice, precision) == expected
@@ -112,11 +131,28 @@ def test_weights_are_gathered_in_bf16_under_bf16_precisions_unless_asked_otherwi
 def test_train_py_trains_on_two_spawned_cpu_processes(tmp_path, train_py):
     """The tiny default through train.py: the loss falls, both ranks end with the same full weights, and the
     last checkpoint holds them (tests/test_train_py_two_processes.py replays zero3's popen-launched runs)."""
-    done = train_py.run_ok(*train_py.tiny, "--strategy", "zero3_spawn", "--accelerator", "cpu", "--devices", "2",
-                           "--max_steps", "8", "--model.num_layers", "2", "--model.warmup_steps", "2",
-                           "--data.batch_size", "4", "--trainer.val_check_interval", "4",
-                           "--trainer.callbacks+=tests.strategy_tests.strategy_workers.LossAndWeights",
-                           f"--trainer.callbacks.out_dir={tmp_path}", cwd=tmp_path)
+    done = train_py.run_ok(
+        *train_py.tiny,
+        "--strategy",
+        "zero3_spawn",
+        "--accelerator",
+        "cpu",
+        "--devices",
+        "2",
+        "--max_steps",
+        "8",
+        "--model.num_layers",
+        "2",
+        "--model.warmup_steps",
+        "2",
+        "--data.batch_size",
+        "4",
+        "--trainer.val_check_interval",
+        "4",
+        "--trainer.callbacks+=tests.strategy_tests.strategy_workers.LossAndWeights",
+        f"--trainer.callbacks.out_dir={tmp_path}",
+        cwd=tmp_path,
+    )
     assert re.search(r"^finished +8 steps in ", done.stdout, re.MULTILINE), done.stdout[-2000:]  # the run's summary
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     losses = ranks[0]["losses"]
