@@ -19,7 +19,6 @@ from lm_systems.model import TransformerLM
 CPU_MAX_PARAMETERS = 20_000_000
 """Past this many parameters a CPU run is warned about: the `tiny` size (a few million) is the CPU's model, and
 a step's time grows with the parameter count (configs/small.yaml says what a step of GPT-2 small took)."""
-_ASSUMED_VOCAB = 10_000  # the vocabulary the size tables assume, while the tokenizer's is still unknown
 
 
 def device_type(accelerator: Any) -> Optional[str]:
@@ -61,7 +60,7 @@ def _parameters(model: Any) -> Optional[int]:
     try:
         config = ModelConfig.from_name(
             model.size,
-            vocab_size=model.vocab_size or _ASSUMED_VOCAB,
+            vocab_size=model.vocab_size,  # None: the size's own (the tokenizer's is not known yet)
             context_length=model.context_length,
             d_model=model.d_model,
             num_layers=model.num_layers,
