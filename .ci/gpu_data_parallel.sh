@@ -55,9 +55,8 @@ mkdir -p "$OUT"
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests)
 
-source .ci/gpu_stages.sh  # the wheels the GPU image lacks; run STAGE SECONDS COMMAND...
-python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.device_count(), \
-'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source .ci/gpu_stages.sh  # the wheels the GPU image lacks; record_versions; run STAGE SECONDS COMMAND...
+record_versions
 
 scaling() {  # scaling NAME CONFIG ROUNDS SETUPS... (in the environment, TRACE_STEPS=N: trace N steps after each
     local name=$1 config=$2 rounds=$3; shift 3  # visit; RUN_TIMEOUT=S: a visit's limit, 200 s unless set)

@@ -20,9 +20,8 @@ mkdir -p "$OUT"
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(test)
 
-source .ci/gpu_stages.sh  # the wheels the GPU image lacks; run STAGE SECONDS COMMAND...
-python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), torch.cuda.device_count(), \
-'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source .ci/gpu_stages.sh  # the wheels the GPU image lacks; record_versions; run STAGE SECONDS COMMAND...
+record_versions
 
 TORCH_STACK="fsdp2+--model.fused_loss=false"  # torch's sharding and the plain loss; the same recompute and attention
 BASELINE=$TORCH_STACK

@@ -5,6 +5,11 @@ if [ -d .whl ] && ! python -c "import docstring_parser, typeshed_client" 2>/dev/
     python -m pip install --quiet --no-index --find-links .whl "jsonargparse[signatures]" datasets
 fi
 
+record_versions() {  # torch, NCCL and the GPUs into $OUT/versions.txt
+    python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), \
+torch.cuda.device_count(), 'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+}
+
 run() {  # run STAGE_NAME SECONDS COMMAND...: log to $OUT/STAGE_NAME.log, print the wall time
     local name=$1 limit=$2; shift 2
     local start=$SECONDS

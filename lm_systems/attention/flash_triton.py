@@ -146,28 +146,14 @@ class _Kernels(NamedTuple):
 # tunes each one once for the graph's shapes (over the same pruned candidates, or takes the choice stored on this
 # machine) and launches them from its generated code, without the dispatcher round trip or Triton's Python
 # autotuner and launcher on every call.
-_EAGER_KERNELS = _Kernels(
-    *(
-        CachedLaunch(kernel)
-        for kernel in (
-            TUNED_FOR_EAGER["fwd"],
-            attn_bwd_preprocess_kernel,
-            TUNED_FOR_EAGER["dkdv"],
-            TUNED_FOR_EAGER["dq"],
-        )
-    )
-)
-_COMPILED_KERNELS = _Kernels(
-    *(
-        wrap_triton(kernel)
-        for kernel in (
-            TUNED_FOR_COMPILE["fwd"],
-            attn_bwd_preprocess_kernel,
-            TUNED_FOR_COMPILE["dkdv"],
-            TUNED_FOR_COMPILE["dq"],
-        )
-    )
-)
+def _kernel_set(wrap: Any, tuned: dict[str, Any]) -> _Kernels:
+    """The four kernels in launch order, each wrapped by ``wrap`` (the preprocess kernel needs no tuning)."""
+    kernels = (tuned["fwd"], attn_bwd_preprocess_kernel, tuned["dkdv"], tuned["dq"])
+    return _Kernels(*(wrap(kernel) for kernel in kernels))
+
+
+_EAGER_KERNELS = _kernel_set(CachedLaunch, TUNED_FOR_EAGER)
+_COMPILED_KERNELS = _kernel_set(wrap_triton, TUNED_FOR_COMPILE)
 
 
 def _forward(
