@@ -2,7 +2,8 @@
 # The CS336 2026 leaderboard step (configs/leaderboard_8b.yaml) on two CUDA GPUs of one host, through train.py:
 #   test      python train.py -c configs/leaderboard_8b.yaml for 3 steps (tests/test_leaderboard_gpu.py): the first loss
 #             near ln(151936), the summary's speed and MFU, at most 76 GiB on rank 0
-#   loss      the fused LM head + cross-entropy against the plain loss, eager and compiled (benchmarks.loss, one GPU)
+#   loss      the fused LM head + cross-entropy (each chunk kernel, 2,048-8,192-token chunks) against the plain loss,
+#             eager and compiled (benchmarks.loss, one GPU)
 #   eager     the step through train.py, eager: zero3 with sdpa and with flash_triton, beside torch's stack (FSDP2,
 #             per-block checkpoint, SDPA, the plain loss)
 #   keep_attention  zero3 eager, each block recomputed but its attention output kept (--model.activation_checkpointing
@@ -41,7 +42,7 @@ for stage in "${STAGES[@]}"; do
             --junitxml="$OUT/leaderboard_test.xml"
         ;;
     loss)
-        run loss 240 python -m benchmarks.loss --out-dir "$OUT/loss" --reps 5
+        run loss 420 python -m benchmarks.loss --out-dir "$OUT/loss" --reps 5 --chunk-tokens 2048 8192
         ;;
     eager)
         step eager 32768x1:eager 560 zero3 "zero3+--model.attention=flash_triton" "$TORCH_STACK"

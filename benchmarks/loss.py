@@ -6,9 +6,9 @@ tokens: forward + backward time and peak memory of
 - ``plain``: ``F.cross_entropy((h @ W.T).float(), t)``, eager: the whole logits, in bf16 and float32, and their
   gradient;
 - ``plain_compiled``: the same under ``torch.compile``;
-- ``fused``: ``lm_systems.loss.fused_linear_cross_entropy``, its chunk loop and elementwise passes eager;
-- ``fused_compiled_chunks``: the same with ``compile_chunks=True`` (each chunk's elementwise work one compiled
-  function);
+- ``fused_triton``, ``fused_compiled``, ``fused_eager``: ``lm_systems.loss.fused_linear_cross_entropy`` with each
+  ``chunk_kernel``: a chunk's softmax, loss and gradient as one Triton kernel writing in place (the default on a GPU),
+  as one compiled function, as eager PyTorch passes;
 
 the fused ones at the library's default chunk and at each ``--chunk-tokens``. Time: the median of ``--reps`` steps,
 each between two device synchronisations, after ``--warmup`` untimed steps (compiling among them). Memory:
@@ -16,7 +16,8 @@ each between two device synchronisations, after ``--warmup`` untimed steps (comp
 that runs out of GPU memory is a row marked OOM.
 
     python -m benchmarks.loss                                            # the 8B head on a GPU
-    python -m benchmarks.loss --device cpu --tokens 48 --vocab 300 --d-model 32 --chunk-tokens 16   # a CPU check
+    python -m benchmarks.loss --device cpu --tokens 48 --vocab 300 --d-model 32 --chunk-tokens 16 \
+        --variants plain fused_eager                                     # a CPU check
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from benchmarks.device import add_device_arg, allocated_gib, free_memory, peak_memory_gib, reset_peak_memory, timed
 from benchmarks.report import argument_parser, write_results
-from lm_systems.loss import default_chunk_tokens, fused_linear_cross_entropy
+from lm_systems.loss import CHUNK_KERNELS, default_chunk_tokens, fused_linear_cross_entropy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -57,13 +58,14 @@ def _compiled_plain_loss() -> LossFn:
     return torch.compile(plain_loss)
 
 
+def _fused(kernel: str) -> Callable[[int | None], LossFn]:
+    return lambda chunk: functools.partial(fused_linear_cross_entropy, chunk_tokens=chunk, chunk_kernel=kernel)
+
+
 VARIANTS: dict[str, Callable[[int | None], LossFn]] = {  # name → loss function at a chunk size
     "plain": lambda chunk: plain_loss,
     "plain_compiled": lambda chunk: _compiled_plain_loss(),
-    "fused": lambda chunk: functools.partial(fused_linear_cross_entropy, chunk_tokens=chunk),
-    "fused_compiled_chunks": lambda chunk: functools.partial(
-        fused_linear_cross_entropy, chunk_tokens=chunk, compile_chunks=True
-    ),
+    **{f"fused_{kernel}": _fused(kernel) for kernel in CHUNK_KERNELS},
 }
 
 

@@ -129,10 +129,8 @@ class LMHead(nn.Linear):
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         if targets is None:
             return super().forward(x)  # (..., V)
-        if self.fused:  # each chunk's elementwise passes compiled into one kernel on a GPU, where that ran faster
-            return fused_linear_cross_entropy(
-                x.flatten(0, -2), self.weight, targets.flatten(), compile_chunks=x.is_cuda
-            )
+        if self.fused:
+            return fused_linear_cross_entropy(x.flatten(0, -2), self.weight, targets.flatten())
         return F.cross_entropy(super().forward(x).flatten(0, -2).float(), targets.flatten())
 
 

@@ -1,6 +1,6 @@
 """fused_linear_cross_entropy against a float64 reference on fresh random inputs: loss and both gradients, in float32,
-bfloat16 and under autocast, over ragged chunks and odd sizes; inside torch.compile; and its memory, read by a
-dispatch-mode spy that sees every tensor an op makes."""
+bfloat16 and under autocast, over ragged chunks and odd sizes, with each chunk kernel (Triton's interpreted on the
+CPU); inside torch.compile; and its memory, read by a dispatch-mode spy that sees every tensor an op makes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lm_systems.loss import CHUNK_LOGITS_BYTES, default_chunk_tokens, fused_linear_cross_entropy
+from lm_systems.loss import CHUNK_LOGITS_BYTES, MAX_16BIT_SUMS, default_chunk_tokens, fused_linear_cross_entropy
 
 # (dtype, rtol): max |got - reference| <= rtol * max |reference|, per output.
 # float32: unit roundoff 6e-8; each output sums at most a few hundred rounded terms (a dot product over d_model, a
@@ -43,6 +43,7 @@ def _assert_close(got: torch.Tensor, reference: torch.Tensor, rtol: float) -> No
     )
 
 
+@pytest.mark.parametrize("chunk_kernel", ["eager", "triton"])
 @pytest.mark.parametrize("dtype, rtol", [FLOAT32, BFLOAT16])
 @pytest.mark.parametrize(
     "tokens, d_model, vocab, chunk_tokens",
@@ -54,9 +55,9 @@ def _assert_close(got: torch.Tensor, reference: torch.Tensor, rtol: float) -> No
         (33, 12, 17, None),  # the default chunk
     ],
 )
-def test_loss_and_gradients_match_float64(dtype, rtol, tokens, d_model, vocab, chunk_tokens):
+def test_loss_and_gradients_match_float64(chunk_kernel, dtype, rtol, tokens, d_model, vocab, chunk_tokens):
     hidden, weight, targets = _inputs(tokens, d_model, vocab, dtype)
-    loss = fused_linear_cross_entropy(hidden, weight, targets, chunk_tokens)
+    loss = fused_linear_cross_entropy(hidden, weight, targets, chunk_tokens, chunk_kernel=chunk_kernel)
     loss.backward()
     ref_loss, ref_hidden, ref_weight = _reference(hidden, weight, targets)
     assert loss.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == dtype
@@ -72,10 +73,24 @@ def test_a_bf16_weight_gradient_summed_over_many_chunks_keeps_bf16_accuracy():
     _assert_close(weight.grad, _reference(hidden, weight, targets)[2], BFLOAT16[1])
 
 
-@pytest.mark.parametrize("compile_chunks", [False, True])
-def test_grad_output_scales_both_gradients(compile_chunks):
+@pytest.mark.parametrize("chunks, float32_sum", [(MAX_16BIT_SUMS, False), (MAX_16BIT_SUMS + 1, True)])
+def test_a_bf16_weight_gradient_is_summed_in_bf16_over_few_chunks_and_in_float32_over_more(chunks, float32_sum):
+    tokens, d_model, vocab = 16 * chunks, 8, 24
+    hidden, weight, targets = _inputs(tokens, d_model, vocab, torch.bfloat16)
+    with _AllocationSpy() as spy:
+        fused_linear_cross_entropy(hidden, weight, targets, chunk_tokens=16).backward()
+    assert (
+        ((vocab, d_model), torch.float32) in spy.tensors
+        if float32_sum
+        else ((vocab, d_model), torch.float32) not in spy.tensors
+    )
+    _assert_close(weight.grad, _reference(hidden, weight, targets)[2], BFLOAT16[1])
+
+
+@pytest.mark.parametrize("chunk_kernel", ["eager", "compiled", "triton"])
+def test_grad_output_scales_both_gradients(chunk_kernel):
     hidden, weight, targets = _inputs(21, 10, 19, torch.float32)
-    (fused_linear_cross_entropy(hidden, weight, targets, 4, compile_chunks=compile_chunks) * 3).backward()
+    (fused_linear_cross_entropy(hidden, weight, targets, 4, chunk_kernel=chunk_kernel) * 3).backward()
     _, ref_hidden, ref_weight = _reference(hidden, weight, targets, grad_scale=3.0)
     _assert_close(hidden.grad, ref_hidden, FLOAT32[1])
     _assert_close(weight.grad, ref_weight, FLOAT32[1])
@@ -119,8 +134,12 @@ class _AllocationSpy(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
+        self.tensors: list[tuple[tuple[int, ...], torch.dtype]] = []
         self.matmul_dtypes: set[torch.dtype] = set()
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [shape for shape, _ in self.tensors]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -128,11 +147,12 @@ class _AllocationSpy(TorchDispatchMode):
             self.matmul_dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor) and a.ndim == 2}
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(tensor, torch.Tensor):
-                self.shapes.append(tuple(tensor.shape))
+                self.tensors.append((tuple(tensor.shape), tensor.dtype))
         return out
 
-    def largest(self) -> int:
-        return max(torch.Size(shape).numel() for shape in self.shapes)
+    def largest_bytes(self) -> int:
+        """Of any tensor made (Triton's interpreter copies a kernel's arguments as bytes)."""
+        return max(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in self.tensors)
 
 
 TOKENS, D_MODEL, VOCAB, CHUNK = 64, 8, 50, 16  # full logits 3200 elements; a chunk's 800; the gradients 512 and 400
@@ -145,16 +165,22 @@ def test_the_spy_sees_the_full_logits_of_the_plain_loss():
     assert (TOKENS, VOCAB) in spy.shapes
 
 
-@pytest.mark.parametrize("compile_chunks", [False, True])
-def test_forward_and_backward_never_hold_more_than_one_chunk_of_logits(compile_chunks):
+@pytest.mark.parametrize("chunk_kernel", ["eager", "compiled", "triton"])
+def test_forward_and_backward_never_hold_more_than_one_chunk_of_logits(chunk_kernel):
     hidden, weight, targets = _inputs(TOKENS, D_MODEL, VOCAB, torch.float32)
-    fused_linear_cross_entropy(
-        hidden, weight, targets, CHUNK, compile_chunks=compile_chunks
-    )  # compiled outside the spy
+    fused_linear_cross_entropy(hidden, weight, targets, CHUNK, chunk_kernel=chunk_kernel)  # compiled outside the spy
     with _AllocationSpy() as spy:
-        fused_linear_cross_entropy(hidden, weight, targets, CHUNK, compile_chunks=compile_chunks).backward()
+        fused_linear_cross_entropy(hidden, weight, targets, CHUNK, chunk_kernel=chunk_kernel).backward()
     assert (TOKENS, VOCAB) not in spy.shapes
-    assert spy.largest() == CHUNK * VOCAB
+    assert spy.largest_bytes() == CHUNK * VOCAB * 4  # float32
+
+
+@pytest.mark.parametrize("chunk_kernel, float32_copy", [("eager", True), ("triton", False)])
+def test_the_triton_chunk_kernel_makes_no_float32_copy_of_bf16_logits(chunk_kernel, float32_copy):
+    hidden, weight, targets = _inputs(TOKENS, D_MODEL, VOCAB, torch.bfloat16)
+    with _AllocationSpy() as spy:
+        fused_linear_cross_entropy(hidden, weight, targets, CHUNK, chunk_kernel=chunk_kernel).backward()
+    assert (((CHUNK, VOCAB), torch.float32) in spy.tensors) == float32_copy
 
 
 def test_without_gradients_only_the_loss_is_computed():
@@ -162,7 +188,7 @@ def test_without_gradients_only_the_loss_is_computed():
     with torch.no_grad(), _AllocationSpy() as spy:
         loss = fused_linear_cross_entropy(hidden, weight, targets, CHUNK)
     assert not {(TOKENS, D_MODEL), (VOCAB, D_MODEL)} & set(spy.shapes)  # no gradient buffers
-    assert spy.largest() == CHUNK * VOCAB
+    assert spy.largest_bytes() == CHUNK * VOCAB * 4  # float32
     assert not loss.requires_grad
     _assert_close(loss, _reference(hidden, weight, targets)[0], FLOAT32[1])
 
@@ -181,22 +207,22 @@ def test_under_autocast_the_matmuls_run_in_its_dtype_and_the_gradients_keep_the_
 
 
 class _TinyLM(torch.nn.Module):
-    def __init__(self, vocab: int, d_model: int, compile_chunks: bool):
+    def __init__(self, vocab: int, d_model: int, chunk_kernel: str):
         super().__init__()
         self.embedding = torch.nn.Embedding(vocab, d_model)
         self.proj = torch.nn.Linear(d_model, d_model)
         self.head = torch.nn.Linear(d_model, vocab, bias=False)
-        self.compile_chunks = compile_chunks
+        self.chunk_kernel = chunk_kernel
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = torch.tanh(self.proj(self.embedding(tokens)))
-        return fused_linear_cross_entropy(hidden, self.head.weight, targets, 8, compile_chunks=self.compile_chunks)
+        return fused_linear_cross_entropy(hidden, self.head.weight, targets, 8, chunk_kernel=self.chunk_kernel)
 
 
-@pytest.mark.parametrize("compile_chunks", [False, True])
-def test_inside_a_compiled_module(compile_chunks):
+@pytest.mark.parametrize("chunk_kernel", ["eager", "compiled", "triton"])
+def test_inside_a_compiled_module(chunk_kernel):
     """The compiled graph breaks at the loss and hands the hidden states' gradient back through its own backward."""
-    model = _TinyLM(23, 16, compile_chunks)
+    model = _TinyLM(23, 16, chunk_kernel)
     tokens, targets = torch.randint(0, 23, (2, 24)).unbind(0)
     loss = torch.compile(model)(tokens, targets)
     loss.backward()
@@ -232,6 +258,17 @@ def test_bad_chunk_sizes_are_refused(chunk_tokens):
         fused_linear_cross_entropy(*_inputs(6, 4, 5, torch.float32), chunk_tokens)
 
 
+def test_an_unknown_chunk_kernel_is_refused_by_name():
+    with pytest.raises(ValueError, match="chunk_kernel must be one of triton, compiled, eager, got 'cuda'"):
+        fused_linear_cross_entropy(*_inputs(6, 4, 5, torch.float32), chunk_kernel="cuda")
+
+
+def test_the_triton_chunk_kernel_on_a_cpu_without_the_interpreter_says_what_to_use(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="use 'eager' here"):
+        fused_linear_cross_entropy(*_inputs(6, 4, 5, torch.float32), chunk_kernel="triton")
+
+
 @pytest.mark.parametrize("vocab", [151936, 50257, 1004, 10**9])
 def test_the_default_chunk_keeps_its_float32_logits_within_the_budget(vocab):
     tokens = default_chunk_tokens(vocab)
@@ -242,22 +279,23 @@ def test_the_default_chunk_keeps_its_float32_logits_within_the_budget(vocab):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile_chunks", [False, True])
-def test_gpu_bf16_matches_float64_and_stays_under_the_full_logits(compile_chunks):
+@pytest.mark.parametrize("chunk_kernel", ["compiled", "triton"])
+def test_gpu_bf16_matches_float64_and_stays_under_the_full_logits(chunk_kernel):
     tokens, d_model, vocab, chunk = 2048, 128, 32000, 256  # full float32 logits 250 MiB; a chunk's 31 MiB
     hidden, weight, targets = (
         t.detach().cuda().requires_grad_(t.is_floating_point()) for t in _inputs(tokens, d_model, vocab, torch.bfloat16)
     )
-    fused_linear_cross_entropy(hidden, weight, targets, chunk, compile_chunks=compile_chunks).backward()  # compiles
+    fused_linear_cross_entropy(hidden, weight, targets, chunk, chunk_kernel=chunk_kernel).backward()  # compiles
     hidden.grad = weight.grad = None
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss = fused_linear_cross_entropy(hidden, weight, targets, chunk, compile_chunks=compile_chunks)
+    loss = fused_linear_cross_entropy(hidden, weight, targets, chunk, chunk_kernel=chunk_kernel)
     loss.backward()
     extra = torch.cuda.max_memory_allocated() - before
-    # A chunk's logits in bf16 and float32 (47 MiB), the weight's gradient as float32 sum, bf16 product and bf16 result
-    # (31 MiB) and the hidden states' (0.5 MiB) come to under 80 MiB; the plain path's float32 logits alone are 250.
-    assert extra < tokens * vocab * 4 / 2
+    # Eight chunks: the weight's gradient summed in bf16 (7.8 MiB). Triton's kernel holds a chunk's bf16 logits
+    # (15.6 MiB) and the two gradients; compiled chunks also a float32 copy. The plain path's float32 logits are 250.
+    gradients = (vocab + tokens) * d_model * 2
+    assert extra < 1.1 * (chunk * vocab * (2 if chunk_kernel == "triton" else 6) + gradients)
     for got, reference in zip((loss, hidden.grad, weight.grad), _reference(hidden.cpu(), weight.cpu(), targets.cpu())):
         _assert_close(got.cpu(), reference, BFLOAT16[1])

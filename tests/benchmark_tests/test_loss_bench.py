@@ -35,10 +35,12 @@ def test_every_variant_and_chunk_gets_a_row_and_they_agree_on_the_loss(tmp_path)
     assert [(r["variant"], r["chunk_tokens"]) for r in rows] == [
         ("plain", ""),
         ("plain_compiled", ""),
-        ("fused", 48),
-        ("fused", 16),
-        ("fused_compiled_chunks", 48),
-        ("fused_compiled_chunks", 16),
+        ("fused_triton", 48),  # interpreted
+        ("fused_triton", 16),
+        ("fused_compiled", 48),
+        ("fused_compiled", 16),
+        ("fused_eager", 48),
+        ("fused_eager", 16),
     ]
     plain = rows[0]["loss"]
     for row in rows:
@@ -56,6 +58,9 @@ def test_a_variant_that_runs_out_of_memory_is_a_row_and_the_rest_still_run(tmp_p
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
 
     monkeypatch.setitem(bench.VARIANTS, "plain", lambda chunk: out_of_memory)
-    rows = bench.main([*FAST, "--chunk-tokens", "--variants", "plain", "fused", "--out-dir", str(tmp_path)])
-    assert [(r["variant"], r["status"], r["vs_plain"]) for r in rows] == [("plain", "OOM", ""), ("fused", "ok", "")]
+    rows = bench.main([*FAST, "--chunk-tokens", "--variants", "plain", "fused_eager", "--out-dir", str(tmp_path)])
+    assert [(r["variant"], r["status"], r["vs_plain"]) for r in rows] == [
+        ("plain", "OOM", ""),
+        ("fused_eager", "ok", ""),
+    ]
     assert "OOM" in (tmp_path / "fused_loss.md").read_text()
