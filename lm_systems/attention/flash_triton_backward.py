@@ -246,84 +246,38 @@ def attn_bwd_dkdv_kernel(
     else:
         diag_start = 0
         unmasked_start = 0
-    # stage 1: query tiles crossing the diagonal, masked
-    dk, dv = _dkdv_inner(
-        dk,
-        dv,
-        k,
-        v,
-        q_source,
-        do_source,
-        LSE,
-        DELTA,
-        stride_qn,
-        stride_don,
-        offs_n,
-        offs_d,
-        diag_start,
-        tl.minimum(unmasked_start, ceil_end),
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_M,
-        CAUSAL,
-        True,
-        TMA,
-    )
-    # stage 2: query tiles that see the whole key tile, no mask
-    dk, dv = _dkdv_inner(
-        dk,
-        dv,
-        k,
-        v,
-        q_source,
-        do_source,
-        LSE,
-        DELTA,
-        stride_qn,
-        stride_don,
-        offs_n,
-        offs_d,
-        unmasked_start,
-        full_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_M,
-        CAUSAL,
-        False,
-        TMA,
-    )
-    # stage 3: the ragged last query tile, masked (empty when stage 1 already reached it)
-    dk, dv = _dkdv_inner(
-        dk,
-        dv,
-        k,
-        v,
-        q_source,
-        do_source,
-        LSE,
-        DELTA,
-        stride_qn,
-        stride_don,
-        offs_n,
-        offs_d,
-        tl.maximum(unmasked_start, full_end),
-        ceil_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_M,
-        CAUSAL,
-        True,
-        TMA,
-    )
+    for stage in tl.static_range(3):  # unrolled: each stage its own call, masked or not
+        if stage == 0:  # query tiles crossing the diagonal, masked
+            lo, hi = diag_start, tl.minimum(unmasked_start, ceil_end)
+        elif stage == 1:  # query tiles that see the whole key tile, no mask
+            lo, hi = unmasked_start, full_end
+        else:  # the ragged last query tile, masked (empty when stage 0 already reached it)
+            lo, hi = tl.maximum(unmasked_start, full_end), ceil_end
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_source,
+            do_source,
+            LSE,
+            DELTA,
+            stride_qn,
+            stride_don,
+            offs_n,
+            offs_d,
+            lo,
+            hi,
+            n_q,
+            n_k,
+            qk_scale,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_M,
+            CAUSAL,
+            stage != 1,
+            TMA,
+        )
 
     _store_rows(DK, dk * sm_scale, offs_n, n_k, stride_dkn, offs_d, HEAD_DIM, HEAD_DIM_PAD)
     _store_rows(DV, dv, offs_n, n_k, stride_dvn, offs_d, HEAD_DIM, HEAD_DIM_PAD)
@@ -439,53 +393,34 @@ def attn_bwd_dq_kernel(
     qk_scale = sm_scale * LOG2_E
 
     unmasked_end, masked_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_source,
-        v_source,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_d,
-        0,
-        unmasked_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        CAUSAL,
-        False,
-        TMA,
-    )
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_source,
-        v_source,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_d,
-        unmasked_end,
-        masked_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        CAUSAL,
-        True,
-        TMA,
-    )
+    for stage in tl.static_range(2):  # unrolled: each stage its own call, masked or not
+        if stage == 0:  # key tiles every query row sees in full
+            lo, hi = 0, unmasked_end
+        else:  # the diagonal and the ragged end, masked
+            lo, hi = unmasked_end, masked_end
+        dq = _dq_inner(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_source,
+            v_source,
+            stride_kn,
+            stride_vn,
+            offs_m,
+            offs_d,
+            lo,
+            hi,
+            n_q,
+            n_k,
+            qk_scale,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_N,
+            CAUSAL,
+            stage == 1,
+            TMA,
+        )
 
     _store_rows(DQ, dq * sm_scale, offs_m, n_q, stride_dqn, offs_d, HEAD_DIM, HEAD_DIM_PAD)

@@ -195,52 +195,33 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
     unmasked_end, masked_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    # stage 1: tiles every row sees in full
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K,
-        V,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_d,
-        0,
-        unmasked_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        CAUSAL,
-        False,
-    )
-    # stage 2: the diagonal and the ragged end, masked
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K,
-        V,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_d,
-        unmasked_end,
-        masked_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        CAUSAL,
-        True,
-    )
+    for stage in tl.static_range(2):  # unrolled: each stage its own call, masked or not
+        if stage == 0:  # tiles every row sees in full
+            lo, hi = 0, unmasked_end
+        else:  # the diagonal and the ragged end, masked
+            lo, hi = unmasked_end, masked_end
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            K,
+            V,
+            stride_kn,
+            stride_vn,
+            offs_m,
+            offs_d,
+            lo,
+            hi,
+            n_q,
+            n_k,
+            qk_scale,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_N,
+            CAUSAL,
+            stage == 1,
+        )
 
     # -- epilogue: rows that saw no key (causal with N_q > N_k) get O = 0 and L = -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
