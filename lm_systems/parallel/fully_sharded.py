@@ -41,8 +41,8 @@ class FullyShardedDataParallel(DataParallelModule):
     ahead of time (in forward, the order of the previous forward; in backward, the reverse of this
     one's), ``prefetch`` units ahead (0: each unit gathers as it starts), and a unit's reduce-scatter is
     waited for only after the next one is launched, so the collectives overlap compute. Deeper prefetch
-    holds more gathered units at once and lets a rank's all-gathers wait longer for a slower rank. (The hooks
-    that do this are a ``UnitSchedule``'s.)
+    holds more gathered units at once and lets a rank's all-gathers wait longer for a slower rank (the hooks
+    doing all this are a ``UnitSchedule``'s, in ``unit_schedule.py``).
     ``finish_gradient_synchronization()`` waits for the last ones and writes the mean over ranks into the
     shards' ``.grad`` (master dtype); frozen parameters are sharded and gathered but get no gradients; a
     parameter no rank produced a gradient for keeps ``grad = None``.
