@@ -20,6 +20,7 @@ import triton.language as tl
 from lm_systems.attention.flash_triton_forward import (
     FP32_DOT_PRECISION,
     LOG2_E,
+    _head_offset,
     _key_ranges,
     _load_rows,
     _program_tile,
@@ -63,6 +64,23 @@ def _load_tile(
     return tile
 
 
+@triton.jit
+def _load_block(
+    X,
+    start,
+    n_rows,
+    stride_n,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """The tile a program holds throughout: X's rows [start, start + BLOCK), zero past ``n_rows`` and HEAD_DIM."""
+    source = _tile_source(X, n_rows, stride_n, HEAD_DIM, BLOCK, TMA)
+    return _load_tile(source, start, stride_n, n_rows, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK, True, TMA)
+
+
 @triton.jit(do_not_specialize=["num_heads", "n_q"])
 def attn_bwd_preprocess_kernel(
     O,
@@ -83,26 +101,12 @@ def attn_bwd_preprocess_kernel(
     """D = rowsum(dO ∘ O), once per query row, so neither pass recomputes it per tile."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
-    b = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
+    O += _head_offset(bh, num_heads, stride_ob, stride_oh)
+    DO += _head_offset(bh, num_heads, stride_dob, stride_doh)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    o = _load_rows(
-        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
-        offs_m,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        True,
-    )
+    o = _load_rows(O + offs_m[:, None] * stride_on + offs_d[None, :], offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     do = _load_rows(
-        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
-        offs_m,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        True,
+        DO + offs_m[:, None] * stride_don + offs_d[None, :], offs_m, n_q, offs_d, HEAD_DIM, HEAD_DIM_PAD, True
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
@@ -211,43 +215,19 @@ def attn_bwd_dkdv_kernel(
     """One program: BLOCK_N keys of one (batch, head); walks every query tile that sees them."""
     tile, _, bh = _program_tile(HEADS_FIRST)
     start_n = tile * BLOCK_N
-    b = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_dob + h * stride_doh
-    DK += b * stride_dkb + h * stride_dkh
-    DV += b * stride_dvb + h * stride_dvh
+    Q += _head_offset(bh, num_heads, stride_qb, stride_qh)
+    K += _head_offset(bh, num_heads, stride_kb, stride_kh)
+    V += _head_offset(bh, num_heads, stride_vb, stride_vh)
+    DO += _head_offset(bh, num_heads, stride_dob, stride_doh)
+    DK += _head_offset(bh, num_heads, stride_dkb, stride_dkh)
+    DV += _head_offset(bh, num_heads, stride_dvb, stride_dvh)
     LSE += bh.to(tl.int64) * n_q
     DELTA += bh.to(tl.int64) * n_q
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    k = _load_tile(
-        _tile_source(K, n_k, stride_kn, HEAD_DIM, BLOCK_N, TMA),
-        start_n,
-        stride_kn,
-        n_k,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        True,
-        TMA,
-    )
-    v = _load_tile(
-        _tile_source(V, n_k, stride_vn, HEAD_DIM, BLOCK_N, TMA),
-        start_n,
-        stride_vn,
-        n_k,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        True,
-        TMA,
-    )
+    k = _load_block(K, start_n, n_k, stride_kn, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, TMA)
+    v = _load_block(V, start_n, n_k, stride_vn, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, TMA)
     q_source = _tile_source(Q, n_q, stride_qn, HEAD_DIM, BLOCK_M, TMA)
     do_source = _tile_source(DO, n_q, stride_don, HEAD_DIM, BLOCK_M, TMA)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
@@ -266,103 +246,41 @@ def attn_bwd_dkdv_kernel(
     else:
         diag_start = 0
         unmasked_start = 0
-    # stage 1: query tiles crossing the diagonal, masked
-    dk, dv = _dkdv_inner(
-        dk,
-        dv,
-        k,
-        v,
-        q_source,
-        do_source,
-        LSE,
-        DELTA,
-        stride_qn,
-        stride_don,
-        offs_n,
-        offs_d,
-        diag_start,
-        tl.minimum(unmasked_start, ceil_end),
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_M,
-        CAUSAL,
-        True,
-        TMA,
-    )
-    # stage 2: query tiles that see the whole key tile, no mask
-    dk, dv = _dkdv_inner(
-        dk,
-        dv,
-        k,
-        v,
-        q_source,
-        do_source,
-        LSE,
-        DELTA,
-        stride_qn,
-        stride_don,
-        offs_n,
-        offs_d,
-        unmasked_start,
-        full_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_M,
-        CAUSAL,
-        False,
-        TMA,
-    )
-    # stage 3: the ragged last query tile, masked (empty when stage 1 already reached it)
-    dk, dv = _dkdv_inner(
-        dk,
-        dv,
-        k,
-        v,
-        q_source,
-        do_source,
-        LSE,
-        DELTA,
-        stride_qn,
-        stride_don,
-        offs_n,
-        offs_d,
-        tl.maximum(unmasked_start, full_end),
-        ceil_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_M,
-        CAUSAL,
-        True,
-        TMA,
-    )
+    for stage in tl.static_range(3):  # unrolled: each stage its own call, masked or not
+        if stage == 0:  # query tiles crossing the diagonal, masked
+            lo, hi = diag_start, tl.minimum(unmasked_start, ceil_end)
+        elif stage == 1:  # query tiles that see the whole key tile, no mask
+            lo, hi = unmasked_start, full_end
+        else:  # the ragged last query tile, masked (empty when stage 0 already reached it)
+            lo, hi = tl.maximum(unmasked_start, full_end), ceil_end
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_source,
+            do_source,
+            LSE,
+            DELTA,
+            stride_qn,
+            stride_don,
+            offs_n,
+            offs_d,
+            lo,
+            hi,
+            n_q,
+            n_k,
+            qk_scale,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_M,
+            CAUSAL,
+            stage != 1,
+            TMA,
+        )
 
-    _store_rows(
-        DK + offs_n[:, None] * stride_dkn + offs_d[None, :],
-        (dk * sm_scale).to(DK.dtype.element_ty),
-        offs_n,
-        n_k,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-    )
-    _store_rows(
-        DV + offs_n[:, None] * stride_dvn + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        offs_n,
-        n_k,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-    )
+    _store_rows(DK, dk * sm_scale, offs_n, n_k, stride_dkn, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    _store_rows(DV, dv, offs_n, n_k, stride_dvn, offs_d, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @triton.jit
@@ -453,42 +371,18 @@ def attn_bwd_dq_kernel(
     # longest programs first leaves short ones, not long ones, for the tail of the launch.
     tile, tiles, bh = _program_tile(HEADS_FIRST)
     start_m = (tiles - 1 - tile) * BLOCK_M
-    b = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_dob + h * stride_doh
-    DQ += b * stride_dqb + h * stride_dqh
+    Q += _head_offset(bh, num_heads, stride_qb, stride_qh)
+    K += _head_offset(bh, num_heads, stride_kb, stride_kh)
+    V += _head_offset(bh, num_heads, stride_vb, stride_vh)
+    DO += _head_offset(bh, num_heads, stride_dob, stride_doh)
+    DQ += _head_offset(bh, num_heads, stride_dqb, stride_dqh)
     LSE += bh.to(tl.int64) * n_q
     DELTA += bh.to(tl.int64) * n_q
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    q = _load_tile(
-        _tile_source(Q, n_q, stride_qn, HEAD_DIM, BLOCK_M, TMA),
-        start_m,
-        stride_qn,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_M,
-        True,
-        TMA,
-    )
-    do = _load_tile(
-        _tile_source(DO, n_q, stride_don, HEAD_DIM, BLOCK_M, TMA),
-        start_m,
-        stride_don,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_M,
-        True,
-        TMA,
-    )
+    q = _load_block(Q, start_m, n_q, stride_qn, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, TMA)
+    do = _load_block(DO, start_m, n_q, stride_don, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, TMA)
     k_source = _tile_source(K, n_k, stride_kn, HEAD_DIM, BLOCK_N, TMA)
     v_source = _tile_source(V, n_k, stride_vn, HEAD_DIM, BLOCK_N, TMA)
     # Rows past n_q read L = D = 0: their P is finite and, with dO = 0, their dS is zero.
@@ -499,61 +393,34 @@ def attn_bwd_dq_kernel(
     qk_scale = sm_scale * LOG2_E
 
     unmasked_end, masked_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_source,
-        v_source,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_d,
-        0,
-        unmasked_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        CAUSAL,
-        False,
-        TMA,
-    )
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_source,
-        v_source,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_d,
-        unmasked_end,
-        masked_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        CAUSAL,
-        True,
-        TMA,
-    )
+    for stage in tl.static_range(2):  # unrolled: each stage its own call, masked or not
+        if stage == 0:  # key tiles every query row sees in full
+            lo, hi = 0, unmasked_end
+        else:  # the diagonal and the ragged end, masked
+            lo, hi = unmasked_end, masked_end
+        dq = _dq_inner(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_source,
+            v_source,
+            stride_kn,
+            stride_vn,
+            offs_m,
+            offs_d,
+            lo,
+            hi,
+            n_q,
+            n_k,
+            qk_scale,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_N,
+            CAUSAL,
+            stage == 1,
+            TMA,
+        )
 
-    _store_rows(
-        DQ + offs_m[:, None] * stride_dqn + offs_d[None, :],
-        (dq * sm_scale).to(DQ.dtype.element_ty),
-        offs_m,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-    )
+    _store_rows(DQ, dq * sm_scale, offs_m, n_q, stride_dqn, offs_d, HEAD_DIM, HEAD_DIM_PAD)

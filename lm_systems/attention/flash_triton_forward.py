@@ -44,11 +44,12 @@ def _load_rows(
 
 
 @triton.jit
-def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+def _store_rows(X, tile, rows, n_rows, stride_n, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Store a (rows, HEAD_DIM_PAD) float32 tile into X's ``rows`` in X's dtype, none past ``n_rows`` or HEAD_DIM."""
     mask = rows[:, None] < n_rows
     if HEAD_DIM != HEAD_DIM_PAD:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
-    tl.store(ptrs, tile, mask=mask)
+    tl.store(X + rows[:, None] * stride_n + offs_d[None, :], tile.to(X.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -58,6 +59,15 @@ def _program_tile(HEADS_FIRST: tl.constexpr):
         return tl.program_id(1), tl.num_programs(1), tl.program_id(0)
     else:
         return tl.program_id(0), tl.num_programs(0), tl.program_id(1)
+
+
+@triton.jit
+def _head_offset(bh, num_heads, stride_b, stride_h):
+    """Where batch·head ``bh``'s (N, d) slice starts in a (B, H, N, d) tensor of these strides, in int64 (a
+    tensor's B·H·N·d may pass 2^31). Every kernel moves each of its tensors to its program's slice with this."""
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    return b * stride_b + h * stride_h
 
 
 @triton.jit
@@ -169,12 +179,10 @@ def attn_fwd_kernel(
     # longest programs first leaves short ones, not long ones, for the tail of the launch.
     tile, tiles, bh = _program_tile(HEADS_FIRST)
     start_m = (tiles - 1 - tile) * BLOCK_M
-    b = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    O += b * stride_ob + h * stride_oh
+    Q += _head_offset(bh, num_heads, stride_qb, stride_qh)
+    K += _head_offset(bh, num_heads, stride_kb, stride_kh)
+    V += _head_offset(bh, num_heads, stride_vb, stride_vh)
+    O += _head_offset(bh, num_heads, stride_ob, stride_oh)
     LSE += bh.to(tl.int64) * n_q
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -187,64 +195,37 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
     unmasked_end, masked_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    # stage 1: tiles every row sees in full
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K,
-        V,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_d,
-        0,
-        unmasked_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        CAUSAL,
-        False,
-    )
-    # stage 2: the diagonal and the ragged end, masked
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K,
-        V,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_d,
-        unmasked_end,
-        masked_end,
-        n_q,
-        n_k,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-        BLOCK_N,
-        CAUSAL,
-        True,
-    )
+    for stage in tl.static_range(2):  # unrolled: each stage its own call, masked or not
+        if stage == 0:  # tiles every row sees in full
+            lo, hi = 0, unmasked_end
+        else:  # the diagonal and the ragged end, masked
+            lo, hi = unmasked_end, masked_end
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            K,
+            V,
+            stride_kn,
+            stride_vn,
+            offs_m,
+            offs_d,
+            lo,
+            hi,
+            n_q,
+            n_k,
+            qk_scale,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_N,
+            CAUSAL,
+            stage == 1,
+        )
 
     # -- epilogue: rows that saw no key (causal with N_q > N_k) get O = 0 and L = -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN_2)
     tl.store(LSE + offs_m, lse, mask=offs_m < n_q)
-    _store_rows(
-        O + offs_m[:, None] * stride_on + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        offs_m,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        HEAD_DIM_PAD,
-    )
+    _store_rows(O, out, offs_m, n_q, stride_on, offs_d, HEAD_DIM, HEAD_DIM_PAD)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,35 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lm_systems.compat.torch import (
-    compiled_whole,
-    foreach_norm,
-    queue_end_of_backward,
-    set_module_parameter,
-    tree_flatten,
-    tree_unflatten,
-)
+from lm_systems.compat.torch import compiled_whole, foreach_norm, set_module_parameter
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.collectives import GradPresence
-from lm_systems.parallel.sharded_unit import PendingReduction, ShardedParam, ShardedUnit, shard_rows
+from lm_systems.parallel.sharded_unit import ShardedParam, ShardedUnit, shard_rows
+from lm_systems.parallel.unit_schedule import UnitSchedule
 
 DEFAULT_UNIT_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
 """Every linear or embedding layer outside the units the caller names."""
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward is done (its weight
-    gradients are accumulated first: autograd runs gradient accumulation as soon as it is ready)."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors: torch.Tensor):
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.callback()
-        return (None, *grads)
 
 
 class FullyShardedDataParallel(DataParallelModule):
@@ -63,7 +41,8 @@ class FullyShardedDataParallel(DataParallelModule):
     ahead of time (in forward, the order of the previous forward; in backward, the reverse of this
     one's), ``prefetch`` units ahead (0: each unit gathers as it starts), and a unit's reduce-scatter is
     waited for only after the next one is launched, so the collectives overlap compute. Deeper prefetch
-    holds more gathered units at once and lets a rank's all-gathers wait longer for a slower rank.
+    holds more gathered units at once and lets a rank's all-gathers wait longer for a slower rank (the hooks
+    doing all this are a ``UnitSchedule``'s, in ``unit_schedule.py``).
     ``finish_gradient_synchronization()`` waits for the last ones and writes the mean over ranks into the
     shards' ``.grad`` (master dtype); frozen parameters are sharded and gathered but get no gradients; a
     parameter no rank produced a gradient for keeps ``grad = None``.
@@ -113,112 +92,22 @@ class FullyShardedDataParallel(DataParallelModule):
         }
         self._replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in self._sharded]
         self._presence = GradPresence(self._replicated, process_group) if self._replicated else None
-        self._forward_order: list[ShardedUnit] = []  # this forward's units, as they ran
-        self._predicted: list[ShardedUnit] = []  # the previous forward's, for prefetching
-        self._as_predicted = True  # this forward's units so far ran in the predicted order
-        self._awaiting_backward: dict[ShardedUnit, None] = {}
-        self._reductions: deque[PendingReduction] = deque()
-        self._end_of_backward_queued = False
+        self._schedule = UnitSchedule(self._units, compute_dtype, prefetch, lambda: self.require_backward_grad_sync)
         for unit in self._units:
-            self._add_hook(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
-            self._add_hook(unit.module.register_forward_hook(self._post_forward_hook(unit)))
-
-    # -- forward -----------------------------------------------------------------------------
+            self._add_hook(
+                unit.module.register_forward_pre_hook(self._schedule.pre_forward_hook(unit), with_kwargs=True)
+            )
+            self._add_hook(unit.module.register_forward_hook(self._schedule.post_forward_hook(unit)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        for unit in self._units:  # a prefetch the last forward predicted but never used is stale now
-            unit.free()
-            unit.drop_prefetch()
-        if self._forward_order:
-            self._predicted, self._forward_order = self._forward_order, []
-        self._as_predicted = True
+        self._schedule.start_forward()
         return self.module(*args, **kwargs)
 
-    def _pre_forward_hook(self, unit: ShardedUnit):
-        def hook(module: nn.Module, args: tuple, kwargs: dict):
-            position = len(self._forward_order)
-            self._forward_order.append(unit)
-            unit.gather()
-            predicted = self._predicted
-            self._as_predicted = self._as_predicted and position < len(predicted) and predicted[position] is unit
-            if self.prefetch and self._as_predicted:
-                for ahead in predicted[position + 1 : position + 1 + self.prefetch]:
-                    ahead.start_gather()
-            plain = not kwargs and all(isinstance(arg, torch.Tensor) for arg in args)  # a block's call: no pytree
-            leaves, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
-            if self.compute_dtype is not None:
-                leaves = [self._cast_input(leaf) for leaf in leaves]
-            if torch.is_grad_enabled():
-                self._mark_post_backward(unit, leaves)
-            return (tuple(leaves), kwargs) if plain else tree_unflatten(leaves, spec)
-
-        return hook
-
-    def _cast_input(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(self.compute_dtype)
-        return value
-
-    def _mark_post_backward(self, unit: ShardedUnit, leaves: list) -> None:
-        """Route the unit's inputs that need gradients (``leaves``, replaced in place) through ``_PostBackward``."""
-        needing = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        if needing:
-            marked = _PostBackward.apply(lambda: self._post_backward(unit), *(leaves[i] for i in needing))
-            for i, tensor in zip(needing, marked):
-                leaves[i] = tensor
-
-    def _post_forward_hook(self, unit: ShardedUnit):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            unit.free()
-            if not torch.is_grad_enabled():
-                return
-            leaves = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
-            outputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            for tensor in outputs:
-                tensor.register_hook(lambda grad: self._pre_backward(unit))
-            if outputs:
-                self._awaiting_backward[unit] = None
-
-        return hook
-
-    # -- backward ----------------------------------------------------------------------------
-
-    def _pre_backward(self, unit: ShardedUnit) -> None:
-        if not self._end_of_backward_queued:
-            queue_end_of_backward(self._end_of_backward)
-            self._end_of_backward_queued = True
-        unit.gather()
-        order = self._forward_order
-        position = len(order) - 1 - order[::-1].index(unit) if unit in order else 0
-        for ahead in order[max(0, position - self.prefetch) : position][::-1]:  # the nearest first
-            if ahead in self._awaiting_backward:
-                ahead.start_gather()
-
-    def _post_backward(self, unit: ShardedUnit) -> None:
-        if unit not in self._awaiting_backward:
-            return
-        del self._awaiting_backward[unit]
-        if unit.trainable and self.require_backward_grad_sync:
-            self._reductions.append(unit.start_reduce_scatter())
-            while len(self._reductions) > 1:  # keep one reduce-scatter in flight: bounded memory, still overlapped
-                pending = self._reductions.popleft()
-                pending.unit.finish_reduce_scatter(pending)
-        unit.free()
-
-    def _end_of_backward(self) -> None:
-        """Autograd's final callback: units whose inputs needed no gradient (the first layer) end here."""
-        for unit in reversed(list(self._awaiting_backward)):
-            self._post_backward(unit)
-        for unit in self._units:
-            unit.drop_prefetch()
-            unit.free()
-        self._end_of_backward_queued = False
+    # -- gradients ---------------------------------------------------------------------------
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        while self._reductions:
-            pending = self._reductions.popleft()
-            pending.unit.finish_reduce_scatter(pending)
+        self._schedule.finish_reductions()
         if not self._replicated:
             return
         local = [p.grad is not None for p in self._replicated]
@@ -352,6 +241,7 @@ class FullyShardedDataParallel(DataParallelModule):
                 for module, name in param.slots:
                     set_module_parameter(module, name, restored)
         self._units, self._sharded = [], {}
+        self._schedule.units = self._units  # a later forward or end of backward has no unit left to free
         self._replicated = [p for p in self.module.parameters() if p.requires_grad]
         self._presence = GradPresence(self._replicated, self.process_group) if self._replicated else None
 
