@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lm_systems.attention import get_attention
 from lm_systems.config import ModelConfig
 from lm_systems.loss import fused_linear_cross_entropy
-from lm_systems.nvtx import nvtx_range
+from lm_systems.profiling.nvtx import nvtx_range
 from lm_systems.recompute import run_with_recompute
 
 
