@@ -16,8 +16,6 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lm_systems.checkpoint_io import NEWEST, SafeCheckpointIO, newest_run_checkpoint, require_checkpoint_file
-from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.cli_parts import CLIParts
 from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_names
 from lm_systems.config import MODEL_SIZES, ModelConfig
@@ -26,6 +24,8 @@ from lm_systems.cpu_threads import choose_cpu_threads
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.device_fit import check_model_fits_device, device_type
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
+from lm_systems.files.checkpoint_io import NEWEST, SafeCheckpointIO, newest_run_checkpoint, require_checkpoint_file
+from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
 from lm_systems.output_folders import make_output_folder

@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lm_systems.atomic_files import atomic_write_path
+from lm_systems.files.atomic_files import atomic_write_path
 
 HELP_FLAGS = ("--help", "-h")
 SUBCOMMANDS = ("fit", "validate", "test", "predict")

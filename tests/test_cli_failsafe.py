@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
-from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
+from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.run_logger import RunLogger
 from train import main
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from environment import environment_kept
 
-from lm_systems.checkpoint_io import SafeCheckpointIO
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.generate import load_checkpoint, main, newest_run_checkpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.sampling import sample_text
