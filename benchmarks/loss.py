@@ -6,7 +6,7 @@ tokens: forward + backward time and peak memory of
 - ``plain``: ``F.cross_entropy((h @ W.T).float(), t)``, eager: the whole logits, in bf16 and float32, and their
   gradient;
 - ``plain_compiled``: the same under ``torch.compile``;
-- ``fused``: ``lm_systems.loss.fused_linear_cross_entropy``, its chunk loop and elementwise passes eager;
+- ``fused``: ``lm_systems.model.loss.fused_linear_cross_entropy``, its chunk loop and elementwise passes eager;
 - ``fused_compiled_chunks``: the same with ``compile_chunks=True`` (each chunk's elementwise work one compiled
   function);
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from benchmarks.device import add_device_arg, allocated_gib, free_memory, peak_memory_gib, reset_peak_memory, timed
 from benchmarks.report import argument_parser, write_results
-from lm_systems.loss import default_chunk_tokens, fused_linear_cross_entropy
+from lm_systems.model.loss import default_chunk_tokens, fused_linear_cross_entropy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from benchmarks.device import add_device_arg, free_memory, peak_memory_gib, reset_peak_memory, timed
 from benchmarks.report import argument_parser, line_plot, write_results
 from lm_systems.attention import attention_names, describe_attention
-from lm_systems.config import MODEL_SIZES, ModelConfig
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import MODEL_SIZES, ModelConfig
+from lm_systems.model.transformer import TransformerLM
 from lm_systems.profiling.hardware import peak_flops
 
 MODES = ("forward", "forward_backward", "train_step")

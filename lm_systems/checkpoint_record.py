@@ -8,9 +8,9 @@ from typing import Any, Optional
 
 import lightning.pytorch as L
 
-from lm_systems.config import ModelConfig
 from lm_systems.data.tokenizer import tokenizer_mismatch
 from lm_systems.errors import InputError
+from lm_systems.model.config import ModelConfig
 from lm_systems.nonfinite import NonFiniteGuard, NonFiniteWeightsError, weights_are_finite
 
 

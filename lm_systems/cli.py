@@ -18,7 +18,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lm_systems.cli_parts import CLIParts
 from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_names
-from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.config_files import check_config_files
 from lm_systems.cpu_threads import choose_cpu_threads
 from lm_systems.data.datamodule import LMDataModule
@@ -28,6 +27,7 @@ from lm_systems.files.checkpoint_io import NEWEST, SafeCheckpointIO, newest_run_
 from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.help_cache import SUBCOMMANDS
 from lm_systems.lit_module import LitLM
+from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from lm_systems.output_folders import make_output_folder
 from lm_systems.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings
 from lm_systems.run_logger import run_version_of

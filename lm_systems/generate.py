@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from lm_systems.errors import DEBUG_ENV, reported_errors, request_debug
 from lm_systems.files.checkpoint_io import NEWEST, RUN_CHECKPOINTS, newest_run_checkpoint, require_checkpoint_file
 from lm_systems.lit_module import LitLM
-from lm_systems.model import TransformerLM
+from lm_systems.model.transformer import TransformerLM
 from lm_systems.sampling import sample_text
 
 

@@ -13,9 +13,9 @@ from lm_systems.checkpoint_record import check_resumed_tokenizer, record_run, re
 from lm_systems.clipping import GradientClipping, clip_grad_norm, global_grad_norm
 from lm_systems.compat.lightning import attached_trainer, logs_this_step
 from lm_systems.compile_policy import CompileChoice, compile_model
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
-from lm_systems.model_shape import ModelShape
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.shape import ModelShape
+from lm_systems.model.transformer import TransformerLM
 from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteWatch, divergence_advice
 from lm_systems.optim import adamw_param_groups, make_adamw
 from lm_systems.resume import ThisRunsOptimizerSettings

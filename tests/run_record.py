@@ -17,8 +17,8 @@ import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
 from lm_systems.optim import adamw_param_groups
 
 

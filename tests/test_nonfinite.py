@@ -16,7 +16,7 @@ from schedule_reference import expected_lr_factor
 
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.lit_module import LitLM
-from lm_systems.model import TransformerLM
+from lm_systems.model.transformer import TransformerLM
 from lm_systems.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from lm_systems.optim import adamw_param_groups
 

@@ -223,8 +223,8 @@ def test_named_units_and_the_layers_of_the_unit_types_outside_them(single_rank_g
 
 def test_optimizer_groups_see_the_shards_as_they_saw_the_parameters(single_rank_group):
     """Shards keep their names, modules and dims: LitLM's weight-decay grouping puts each where it was."""
-    from lm_systems.config import ModelConfig
-    from lm_systems.model import TransformerLM
+    from lm_systems.model.config import ModelConfig
+    from lm_systems.model.transformer import TransformerLM
     from lm_systems.optim import adamw_param_groups
 
     model = TransformerLM(ModelConfig.from_name("tiny", vocab_size=65, d_model=32, num_layers=2, num_heads=2, d_ff=48))
