@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.lit_module import LitLM
-from lm_systems.nonfinite import NonFiniteWeightsError
+from lm_systems.training.nonfinite import NonFiniteWeightsError
 
 ADVICE = ("--model.lr", "--trainer.gradient_clip_val", "bf16-mixed")
 
