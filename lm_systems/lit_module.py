@@ -13,15 +13,15 @@ from lm_systems.compat.lightning import attached_trainer, logs_this_step
 from lm_systems.model.config import ModelConfig
 from lm_systems.model.shape import ModelShape
 from lm_systems.model.transformer import TransformerLM
-from lm_systems.resume import ThisRunsOptimizerSettings
-from lm_systems.run_description import describe_model, run_hyperparameters
+from lm_systems.run.description import describe_model, run_hyperparameters
+from lm_systems.run.resume import ThisRunsOptimizerSettings
+from lm_systems.run.training_sample import TrainingSample
 from lm_systems.training.checkpoint_record import check_resumed_tokenizer, record_run, refuse_nonfinite
 from lm_systems.training.clipping import GradientClipping, clip_grad_norm, global_grad_norm
 from lm_systems.training.compile_policy import CompileChoice, compile_model
 from lm_systems.training.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteWatch, divergence_advice
 from lm_systems.training.optim import adamw_param_groups, make_adamw
 from lm_systems.training.schedule import check_schedule, warmup_cosine_schedule
-from lm_systems.training_sample import TrainingSample
 
 
 class LitLM(L.LightningModule):

@@ -19,7 +19,7 @@ from lm_systems.generate import load_checkpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from lm_systems.model.transformer import TransformerLM
-from lm_systems.run_description import run_hyperparameters
+from lm_systems.run.description import run_hyperparameters
 from lm_systems.training.sampling import sample_text
 
 SMALL_MODEL = dict(
