@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from lm_systems.help_cache import run_with_help_cache
+from lm_systems.run.help_cache import run_with_help_cache
 
 
 def main(args: Optional[list[str]] = None, run: bool = True) -> Any:
@@ -18,7 +18,7 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> Any:
     from callbacks import every_run_callbacks
     from callbacks.progress import steps_progress_bar
     from lm_systems.cli import main as train
-    from lm_systems.cli_parts import CLIParts
+    from lm_systems.run.cli_parts import CLIParts
     from strategies import REGISTERED_NAMES  # importing the package registers the names
 
     # Module-level functions only: a spawned launch pickles them with the trainer.

@@ -31,7 +31,7 @@ from benchmarks.device import add_device_arg, free_memory, reset_peak_memory, sy
 from benchmarks.ranks import spawn_ranks
 from benchmarks.report import argument_parser, bar_plot, write_results
 from lm_systems.attention import attention_names
-from lm_systems.config import ModelConfig
+from lm_systems.model.config import ModelConfig
 from lm_systems.parallel import gradient_process_group
 
 GB = 1e9

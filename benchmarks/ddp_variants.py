@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
 from lm_systems.parallel import BucketedDDP, NaiveDDP, PerParameterDDP, ShardedOptimizer
 
 BASES = ("single", "torch_ddp", "naive", "overlap", "zero1")

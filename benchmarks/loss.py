@@ -6,7 +6,7 @@ tokens: forward + backward time and peak memory of
 - ``plain``: ``F.cross_entropy((h @ W.T).float(), t)``, eager: the whole logits, in bf16 and float32, and their
   gradient;
 - ``plain_compiled``: the same under ``torch.compile``;
-- ``fused_triton``, ``fused_compiled``, ``fused_eager``: ``lm_systems.loss.fused_linear_cross_entropy`` with each
+- ``fused_triton``, ``fused_compiled``, ``fused_eager``: ``lm_systems.model.loss.fused_linear_cross_entropy`` with each
   ``chunk_kernel``: a chunk's softmax, loss and gradient as one Triton kernel writing in place (the default on a GPU),
   as one compiled function, as eager PyTorch passes;
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from benchmarks.device import add_device_arg, allocated_gib, free_memory, peak_memory_gib, reset_peak_memory, timed
 from benchmarks.report import argument_parser, write_results
-from lm_systems.loss import CHUNK_KERNELS, default_chunk_tokens, fused_linear_cross_entropy
+from lm_systems.model.loss import CHUNK_KERNELS, default_chunk_tokens, fused_linear_cross_entropy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -3,7 +3,7 @@
 Plain PyTorch (no Trainer) so every synchronisation is ours. For each model size × context length
 × mode × precision × warm-up count: ``warmup`` untimed steps, then ``steps`` steps each timed
 between two device synchronisations, on random tokens. Reports mean ± std per step, tokens/s, MFU
-(peaks from ``lm_systems.hardware``), peak allocated memory and the size of one residual-stream
+(peaks from ``lm_systems.profiling.hardware``), peak allocated memory and the size of one residual-stream
 activation. One model per size and attention serves all of its cases; a configuration that runs out
 of GPU memory is a row marked OOM.
 
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from benchmarks.device import add_device_arg, free_memory, peak_memory_gib, reset_peak_memory, timed
 from benchmarks.report import argument_parser, line_plot, write_results
 from lm_systems.attention import attention_names, describe_attention
-from lm_systems.config import MODEL_SIZES, ModelConfig
-from lm_systems.hardware import peak_flops
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import MODEL_SIZES, ModelConfig
+from lm_systems.model.transformer import TransformerLM
+from lm_systems.profiling.hardware import peak_flops
 
 MODES = ("forward", "forward_backward", "train_step")
 """forward: inference (no autograd graph); forward_backward: + loss.backward(); train_step: + AdamW step."""
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "max_ms is the slowest (usually the first). forward = inference under no_grad; "
         "forward_backward adds loss.backward(); train_step adds AdamW. bf16 = autocast over fp32 weights. "
         "MFU counts 6N + 12·L·T·d FLOPs per token for a training step (a third for forward) over the "
-        "dense peak of lm_systems.hardware; residual_MiB is one (B, T, d_model) fp32 activation. "
+        "dense peak of lm_systems.profiling.hardware; residual_MiB is one (B, T, d_model) fp32 activation. "
         + ("Each configuration ran in a fresh process. " if args.isolate else "")
         + ("Compiled with torch.compile. " if args.compile else "")
     )

@@ -63,8 +63,8 @@ from benchmarks import gpu_timeline
 from benchmarks.report import argument_parser, write_results
 from lm_systems.attention.tuning import CACHE_ENV
 from lm_systems.compat.lightning import compute_dtype
-from lm_systems.config import MODEL_SIZES
-from lm_systems.hardware import peak_flops
+from lm_systems.model.config import MODEL_SIZES
+from lm_systems.profiling.hardware import peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGY_CLASSES = {

@@ -20,8 +20,8 @@ from functools import cache
 
 import torch
 
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
 from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB, ONE_HOST_BUCKET_MB, gradient_buckets
 
 GIB = 2**30

@@ -55,12 +55,12 @@ from benchmarks.device import (
 )
 from benchmarks.report import argument_parser, write_results
 from lm_systems.attention import attention_names
-from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
-from lm_systems.hardware import peak_flops
-from lm_systems.model import CausalSelfAttention, TransformerLM
-from lm_systems.optim import adamw_param_groups, make_adamw
-from lm_systems.schedule import warmup_cosine
+from lm_systems.model.config import MODEL_SIZES, ModelConfig
+from lm_systems.model.transformer import CausalSelfAttention, TransformerLM
+from lm_systems.profiling.hardware import peak_flops
+from lm_systems.training.optim import adamw_param_groups, make_adamw
+from lm_systems.training.schedule import warmup_cosine
 from train import main as train_py
 
 PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lm_systems.nvtx import set_nvtx_enabled
+from lm_systems.profiling.nvtx import set_nvtx_enabled
 
 
 class NVTXRanges(Callback):

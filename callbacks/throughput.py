@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lm_systems.compat.lightning import CountingThroughputMonitor, compute_dtype, logs_this_step
-from lm_systems.hardware import peak_flops
+from lm_systems.profiling.hardware import peak_flops
 
 
 def sequences_in_batch(batch: torch.Tensor) -> int:
@@ -58,7 +58,7 @@ class MFUMonitor(CountingThroughputMonitor):
     the host keeps running ahead of the GPU. The window is then one of logged steps; time spent validating
     is left out.
     This subclass counts tokens from the (B, T + 1) batches and takes the peak FLOP/s from
-    ``lm_systems.hardware`` (dense rates; Lightning's table has the H200's sparse ones), for the
+    ``lm_systems.profiling.hardware`` (dense rates; Lightning's table has the H200's sparse ones), for the
     precision the trainer runs in: bf16 peak under ``bf16-mixed``, fp32 (or TF32) under ``32-true``.
     Without a known peak (a CPU, an unlisted GPU) there is no MFU; ``available_flops`` is then None.
     """
@@ -66,7 +66,7 @@ class MFUMonitor(CountingThroughputMonitor):
     def __init__(self, window_size: int = 4, peak_flops_per_s: float | None = None) -> None:
         """``window_size``: logged training steps in the rolling average; tokens/s and MFU appear once the window
         is full;
-        ``peak_flops_per_s``: override the device's peak, for a GPU missing from ``lm_systems.hardware``.
+        ``peak_flops_per_s``: override the device's peak, for a GPU missing from ``lm_systems.profiling.hardware``.
         """
         if window_size < 2:
             raise ValueError(f"MFUMonitor window_size must be >= 2 (a rate needs two points), got {window_size}")

@@ -6,7 +6,11 @@ model (plain PyTorch) never loads Lightning.
 
 from importlib import import_module
 
-_PUBLIC = {"TransformerLM": "lm_systems.model", "ModelConfig": "lm_systems.config", "LitLM": "lm_systems.lit_module"}
+_PUBLIC = {
+    "TransformerLM": "lm_systems.model.transformer",
+    "ModelConfig": "lm_systems.model.config",
+    "LitLM": "lm_systems.lit_module",
+}
 __all__ = list(_PUBLIC)
 
 

@@ -16,23 +16,23 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lm_systems.checkpoint_io import NEWEST, SafeCheckpointIO, newest_run_checkpoint, require_checkpoint_file
-from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
-from lm_systems.cli_parts import CLIParts
 from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_names
-from lm_systems.config import MODEL_SIZES, ModelConfig
-from lm_systems.config_files import check_config_files
-from lm_systems.cpu_threads import choose_cpu_threads
 from lm_systems.data.datamodule import LMDataModule
-from lm_systems.device_fit import check_model_fits_device, device_type
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
-from lm_systems.help_cache import SUBCOMMANDS
+from lm_systems.files.checkpoint_io import NEWEST, SafeCheckpointIO, newest_run_checkpoint, require_checkpoint_file
+from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.lit_module import LitLM
-from lm_systems.output_folders import make_output_folder
-from lm_systems.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings
-from lm_systems.run_logger import run_version_of
-from lm_systems.run_summary import RunSummary
-from lm_systems.strategy_flags import strategy_names_as_classes
+from lm_systems.model.config import MODEL_SIZES, ModelConfig
+from lm_systems.run.cli_parts import CLIParts
+from lm_systems.run.config_files import check_config_files
+from lm_systems.run.cpu_threads import choose_cpu_threads
+from lm_systems.run.device_fit import check_model_fits_device, device_type
+from lm_systems.run.help_cache import SUBCOMMANDS
+from lm_systems.run.logger import run_version_of
+from lm_systems.run.output_folders import make_output_folder
+from lm_systems.run.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings
+from lm_systems.run.strategy_flags import strategy_names_as_classes
+from lm_systems.run.summary import RunSummary
 
 SHORT_FLAGS: dict[str, tuple[type, str]] = {
     "strategy": (Optional[str], "ddp, naive_ddp, overlap_ddp, bucketed_ddp, zero1, zero3 (each also *_spawn), auto, …"),
@@ -54,7 +54,7 @@ TRAINER_DEFAULTS = {
     "devices": 1,
     "enable_model_summary": False,  # its FLOPs column reads 0 and it warns under bf16; LitLM's line has the size
     "logger": {
-        "class_path": "lm_systems.run_logger.RunLogger",
+        "class_path": "lm_systems.run.logger.RunLogger",
         "init_args": {"save_dir": "logs", "name": "lm_systems", "default_hp_metric": False},
     },
 }
@@ -98,7 +98,7 @@ class RunConfigFile(SaveConfigCallback):
 class LMCLI(CommandLineOverCheckpointCLI):
     """LightningCLI with short trainer flags, step checkpoints, run folders and checks at the door.
 
-    A ``--ckpt_path``'s saved settings go *under* the command line (``parse_arguments``, :mod:`lm_systems.resume`):
+    A ``--ckpt_path``'s saved settings go *under* the command line (``parse_arguments``, :mod:`lm_systems.run.resume`):
     its base leaves out LightningCLI's parsing of them over it. ``parts``: what the entry point adds (our strategies'
     names, the default callbacks and progress bar)."""
 

@@ -1,4 +1,4 @@
-"""Sample text from a training checkpoint (the sampling itself is lm_systems.sampling's).
+"""Sample text from a training checkpoint (the sampling itself is lm_systems.training.sampling's).
 
 python -m lm_systems.generate --ckpt last --prompt "Once upon a time"    # the newest run's last.ckpt
 python -m lm_systems.generate --ckpt logs/lm_systems/version_3/checkpoints/step=300.ckpt
@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 from tokenizers import Tokenizer
 
-from lm_systems.checkpoint_io import NEWEST, RUN_CHECKPOINTS, newest_run_checkpoint, require_checkpoint_file
 from lm_systems.errors import DEBUG_ENV, reported_errors, request_debug
+from lm_systems.files.checkpoint_io import NEWEST, RUN_CHECKPOINTS, newest_run_checkpoint, require_checkpoint_file
 from lm_systems.lit_module import LitLM
-from lm_systems.model import TransformerLM
-from lm_systems.sampling import sample_text
+from lm_systems.model.transformer import TransformerLM
+from lm_systems.training.sampling import sample_text
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:

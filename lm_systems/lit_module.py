@@ -9,19 +9,19 @@ import lightning.pytorch as L
 import torch
 from torchmetrics import MeanMetric
 
-from lm_systems.checkpoint_record import check_resumed_tokenizer, record_run, refuse_nonfinite
-from lm_systems.clipping import GradientClipping, clip_grad_norm, global_grad_norm
 from lm_systems.compat.lightning import attached_trainer, logs_this_step
-from lm_systems.compile_policy import CompileChoice, compile_model
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
-from lm_systems.model_shape import ModelShape
-from lm_systems.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteWatch, divergence_advice
-from lm_systems.optim import adamw_param_groups, make_adamw
-from lm_systems.resume import ThisRunsOptimizerSettings
-from lm_systems.run_description import describe_model, run_hyperparameters
-from lm_systems.schedule import check_schedule, warmup_cosine_schedule
-from lm_systems.training_sample import TrainingSample
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.shape import ModelShape
+from lm_systems.model.transformer import TransformerLM
+from lm_systems.run.description import describe_model, run_hyperparameters
+from lm_systems.run.resume import ThisRunsOptimizerSettings
+from lm_systems.run.training_sample import TrainingSample
+from lm_systems.training.checkpoint_record import check_resumed_tokenizer, record_run, refuse_nonfinite
+from lm_systems.training.clipping import GradientClipping, clip_grad_norm, global_grad_norm
+from lm_systems.training.compile_policy import CompileChoice, compile_model
+from lm_systems.training.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteWatch, divergence_advice
+from lm_systems.training.optim import adamw_param_groups, make_adamw
+from lm_systems.training.schedule import check_schedule, warmup_cosine_schedule
 
 
 class LitLM(L.LightningModule):
@@ -172,7 +172,8 @@ class LitLM(L.LightningModule):
         gradient_clip_val: Optional[float] = None,
         gradient_clip_algorithm: Optional[str] = None,
     ) -> None:
-        """Clip by the global gradient norm, watch for non-finite values (:mod:`lm_systems.clipping`); log the norm."""
+        """Clip by the global gradient norm, watch for non-finite values (:mod:`lm_systems.training.clipping`); log the
+        norm."""
         clip_val, algorithm = gradient_clip_val, gradient_clip_algorithm
         for name, value in self._clipping(self.trainer, optimizer, clip_val, algorithm, self._clip_grad_norm).items():
             self.log(name, value)

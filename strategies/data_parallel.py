@@ -10,9 +10,9 @@ logging are Lightning's own. What changes is the model wrapper and where gradien
   accumulation communicate nothing;
 - ``post_backward`` calls ``finish_gradient_synchronization()`` after a syncing backward, before the
   precision plugin's unscaling, clipping and ``on_before_optimizer_step``, which thus see averaged gradients;
-- ``grad_norm`` and ``clip_grad_norm_`` (:class:`lm_systems.strategy_offers.GlobalGradNorm`) are the container's:
-  the norm over every rank's gradients, for containers that shard them; ``setup`` routes Lightning's own clipping
-  there too (LitLM clips through the same two methods); the ranks agree to stop for SIGTERM over a gloo
+- ``grad_norm`` and ``clip_grad_norm_`` (:class:`lm_systems.training.strategy_offers.GlobalGradNorm`) are the
+  container's: the norm over every rank's gradients, for containers that shard them; ``setup`` routes Lightning's
+  own clipping there too (LitLM clips through the same two methods); the ranks agree to stop for SIGTERM over a gloo
   group of CPU tensors instead of Lightning's per-batch device broadcast, which waits for the GPU
   (:class:`strategies.sigterm.HostSigtermStrategy`);
 - ``teardown`` removes the container's gradient hooks and unwraps the module.
@@ -59,7 +59,7 @@ from lm_systems.parallel import (
     gradient_process_group,
     runs_within_buckets,
 )
-from lm_systems.strategy_offers import GlobalGradNorm, LocalGradNorm
+from lm_systems.training.strategy_offers import GlobalGradNorm, LocalGradNorm
 from strategies.sigterm import HostSigtermStrategy
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -243,7 +243,7 @@ class BucketedDDPStrategy(LaunchThreadDDPStrategy):
     def block_runs(self, module: Module, blocks: Sequence[Module]) -> list[int]:
         """The runs of consecutive ``blocks`` whose gradients all land in one of the buckets ``wrap(module)`` will
         make, as sizes: what ``--model.compile buckets`` compiles as one graph each
-        (:class:`lm_systems.strategy_offers.BlockRuns`)."""
+        (:class:`lm_systems.training.strategy_offers.BlockRuns`)."""
         return runs_within_buckets(blocks, gradient_buckets(module, self.bucket_size_mb))
 
     @override

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from typing_extensions import override
 
 from lm_systems.compat.lightning import DataParallelMeshStrategy
-from lm_systems.strategy_offers import ShardingUnits
+from lm_systems.training.strategy_offers import ShardingUnits
 from strategies.sigterm import HostSigtermStrategy
 
 BF16_PRECISIONS = ("bf16-mixed", "bf16-true")
@@ -57,7 +57,7 @@ class FSDP2Strategy(HostSigtermStrategy, DataParallelMeshStrategy):
         if not isinstance(module, ShardingUnits):
             raise TypeError(
                 f"--strategy fsdp2 shards the units a LightningModule names in sharding_units() "
-                f"(lm_systems.strategy_offers.ShardingUnits); {type(module).__name__} has no such method"
+                f"(lm_systems.training.strategy_offers.ShardingUnits); {type(module).__name__} has no such method"
             )
         root, units = module.sharding_units()
         policy = (

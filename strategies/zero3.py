@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lm_systems.compat.lightning import optimizer_to_device
 from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
-from lm_systems.strategy_offers import ShardingUnits
+from lm_systems.training.strategy_offers import ShardingUnits
 from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
 from strategies.sharded_grad_scaler import agree_on_overflow
 
@@ -33,7 +33,7 @@ def resolve_compute_dtype(choice: str, precision: str) -> Optional[torch.dtype]:
 class Zero3Strategy(ContainerDDPStrategy):
     """Trains through a FullyShardedDataParallel: each rank holds 1/N of every unit's parameters, gradients and
     optimizer state. The units are those the LightningModule names in ``sharding_units()``
-    (:class:`lm_systems.strategy_offers.ShardingUnits`; LitLM's: each Transformer block) and every linear or
+    (:class:`lm_systems.training.strategy_offers.ShardingUnits`; LitLM's: each Transformer block) and every linear or
     embedding layer outside them.
 
     ``configure_optimizers`` sees the shards (same names, modules and dims), so the user's optimizer and

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import lightning.pytorch as L
 
-import lm_systems.optim
+import lm_systems.training.optim
 
 
 class FusedAdamWOnCPU(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        lm_systems.optim.fused_adamw_possible = lambda param_groups: True  # before configure_optimizers, per process
+        # Before configure_optimizers, per process.
+        lm_systems.training.optim.fused_adamw_possible = lambda param_groups: True

@@ -17,9 +17,9 @@ import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
-from lm_systems.optim import adamw_param_groups
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
+from lm_systems.training.optim import adamw_param_groups
 
 
 def _full_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""The learning-rate schedule as the docs state it, written apart from lm_systems.schedule: what the replays and the
-schedule tests compare a run against."""
+"""The learning-rate schedule as the docs state it, written apart from lm_systems.training.schedule: what the replays
+and the schedule tests compare a run against."""
 
 from __future__ import annotations
 

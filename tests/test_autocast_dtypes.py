@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
 
 FP32 = torch.float32
 # Expected output dtype per module, LOW standing for autocast's dtype.

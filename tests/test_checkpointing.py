@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lm_systems.checkpoint_io import SafeCheckpointIO
-from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
+from lm_systems.files.checkpoint_io import SafeCheckpointIO
+from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.lit_module import LitLM
-from lm_systems.nonfinite import NonFiniteWeightsError
+from lm_systems.training.nonfinite import NonFiniteWeightsError
 
 ADVICE = ("--model.lr", "--trainer.gradient_clip_val", "bf16-mixed")
 
@@ -151,7 +151,7 @@ def test_no_checkpoint_of_non_finite_weights_is_written_by_any_path(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from lm_systems.checkpoint_io import SafeCheckpointIO
+    from lm_systems.files.checkpoint_io import SafeCheckpointIO
     io, path = SafeCheckpointIO(), sys.argv[1]
     for step in range(1, 1000):
         io.save_checkpoint({"state_dict": {"w": torch.full((4_000_000,), float(step))}, "global_step": step}, path)

@@ -41,7 +41,7 @@ def fast(tiny_args) -> list[str]:
 
 
 def test_help_lists_the_short_flags(tmp_path, train_py):
-    env = train_py.environment(XDG_CACHE_HOME=str(tmp_path))  # the help cache (lm_systems.help_cache) stays in tmp
+    env = train_py.environment(XDG_CACHE_HOME=str(tmp_path))  # the help cache (lm_systems.run.help_cache) stays in tmp
     out = train_py.run_ok("--help", cwd=REPO, env=env).stdout
     for flag in (
         "--strategy",

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm_systems.config import ModelConfig
-from lm_systems.cpu_threads import TORCH_THREADS
-from lm_systems.device_fit import CPU_MAX_PARAMETERS
+from lm_systems.model.config import ModelConfig
+from lm_systems.run.cpu_threads import TORCH_THREADS
+from lm_systems.run.device_fit import CPU_MAX_PARAMETERS
 from train import main
 
 REPO = Path(__file__).resolve().parents[1]

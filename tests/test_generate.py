@@ -9,11 +9,11 @@ import pytest
 import torch
 from environment import environment_kept
 
-from lm_systems.checkpoint_io import SafeCheckpointIO
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.generate import load_checkpoint, main, newest_run_checkpoint
 from lm_systems.lit_module import LitLM
-from lm_systems.sampling import sample_text
+from lm_systems.training.sampling import sample_text
 
 SMALL_MODEL = dict(size="tiny", d_model=32, num_layers=2, num_heads=2, d_ff=64, context_length=16, sample_prompt="")
 

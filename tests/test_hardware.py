@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lm_systems.hardware import PEAK_FLOPS, chip_name, peak_flops
+from lm_systems.profiling.hardware import PEAK_FLOPS, chip_name, peak_flops
 
 
 @pytest.mark.parametrize(

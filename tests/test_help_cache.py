@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lm_systems import help_cache
-from lm_systems.help_cache import cache_key, is_help_request, run_with_help_cache
+from lm_systems.run import help_cache
+from lm_systems.run.help_cache import cache_key, is_help_request, run_with_help_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def test_second_help_is_the_same_text_without_lightning(tmp_path):
     second = _help(tmp_path, "-X", "importtime")  # lists every module the process imports, on stderr
     assert second.stdout == first.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in second.stderr.splitlines() if "|" in line}
-    assert "lm_systems.help_cache" in imported
+    assert "lm_systems.run.help_cache" in imported
     assert not {name for name in imported if name.split(".")[0] in ("lightning", "torch", "jsonargparse")}
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from environment import environment_kept
 
-from lm_systems.recompute import RECOMPUTE_POLICIES
+from lm_systems.model.recompute import RECOMPUTE_POLICIES
 from train import main
 
 EIGHT_B_SHAPED = [

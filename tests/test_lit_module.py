@@ -12,15 +12,15 @@ import torch
 from schedule_reference import expected_lr_factor
 from torch.utils.data import DataLoader
 
-from lm_systems.checkpoint_io import SafeCheckpointIO
-from lm_systems.checkpointing import CrashCheckpoint, StepCheckpoint
-from lm_systems.config import MODEL_SIZES, ModelConfig
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.files.checkpoint_io import SafeCheckpointIO
+from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.generate import load_checkpoint
 from lm_systems.lit_module import LitLM
-from lm_systems.model import TransformerLM
-from lm_systems.run_description import run_hyperparameters
-from lm_systems.sampling import sample_text
+from lm_systems.model.config import MODEL_SIZES, ModelConfig
+from lm_systems.model.transformer import TransformerLM
+from lm_systems.run.description import run_hyperparameters
+from lm_systems.training.sampling import sample_text
 
 SMALL_MODEL = dict(
     size="tiny", d_model=64, num_layers=2, num_heads=2, d_ff=192, context_length=32, warmup_steps=5, sample_prompt=""

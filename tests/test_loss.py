@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lm_systems.loss import CHUNK_LOGITS_BYTES, MAX_16BIT_SUMS, default_chunk_tokens, fused_linear_cross_entropy
+from lm_systems.model.loss import CHUNK_LOGITS_BYTES, MAX_16BIT_SUMS, default_chunk_tokens, fused_linear_cross_entropy
 
 # (dtype, rtol): max |got - reference| <= rtol * max |reference|, per output.
 # float32: unit roundoff 6e-8; each output sums at most a few hundred rounded terms (a dot product over d_model, a

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lm_systems.loss_kernel import cross_entropy_rows_
+from lm_systems.model.loss_kernel import cross_entropy_rows_
 
 # Loss: float32 statistics over float64-exact inputs (rtol 1e-5). Gradient: rounded once to the logits' dtype, within
 # one ulp of the largest entry, 1/N (2^-10 for float16, 2^-7 for bfloat16: Triton's interpreter truncates where a GPU

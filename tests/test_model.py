@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lm_systems.config import MODEL_SIZES, ModelConfig
-from lm_systems.model import RotaryEmbedding, TransformerLM
+from lm_systems.model.config import MODEL_SIZES, ModelConfig
+from lm_systems.model.transformer import RotaryEmbedding, TransformerLM
 
 
 def tiny(**overrides) -> TransformerLM:

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lm_systems.config import ModelConfig
 from lm_systems.errors import InputError
-from lm_systems.model_shape import ModelShape
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.shape import ModelShape
 
 OVERRIDES = {
     "vocab_size": None,

@@ -16,9 +16,9 @@ from schedule_reference import expected_lr_factor
 
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.lit_module import LitLM
-from lm_systems.model import TransformerLM
-from lm_systems.nonfinite import NonFiniteGuard, NonFiniteTrainingError
-from lm_systems.optim import adamw_param_groups
+from lm_systems.model.transformer import TransformerLM
+from lm_systems.training.nonfinite import NonFiniteGuard, NonFiniteTrainingError
+from lm_systems.training.optim import adamw_param_groups
 
 NAN, ONE = torch.tensor(float("nan")), torch.tensor(1.0)
 
@@ -125,7 +125,7 @@ def fit(
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """LitLM's AdamW fused on the CPU too (fused AdamW skips its update on the device when told ``found_inf``)."""
-    monkeypatch.setattr("lm_systems.optim.fused_adamw_possible", lambda param_groups: True)
+    monkeypatch.setattr("lm_systems.training.optim.fused_adamw_possible", lambda param_groups: True)
 
 
 def dropping_the_poisoned_batches(module: _PoisonedLM, fused: bool) -> dict[str, torch.Tensor]:

@@ -9,8 +9,8 @@ import pytest
 
 PUBLIC = {  # package: {name: the module that defines it}
     "lm_systems": {
-        "TransformerLM": "lm_systems.model",
-        "ModelConfig": "lm_systems.config",
+        "TransformerLM": "lm_systems.model.transformer",
+        "ModelConfig": "lm_systems.model.config",
         "LitLM": "lm_systems.lit_module",
     },
     "lm_systems.attention": {

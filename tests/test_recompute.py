@@ -10,9 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
-from lm_systems.recompute import RECOMPUTE_POLICIES
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.recompute import RECOMPUTE_POLICIES
+from lm_systems.model.transformer import TransformerLM
 
 CONFIG = dict(vocab_size=61, context_length=24, d_model=32, num_layers=3, num_heads=4, d_ff=72, attention="sdpa")
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
-from lm_systems.sampling import sample
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
+from lm_systems.training.sampling import sample
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lm_systems.schedule import warmup_cosine
+from lm_systems.training.schedule import warmup_cosine
 
 
 def test_warmup_rises_linearly_to_the_peak():

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lm_systems.clipping import clip_grad_norm, global_grad_norm
-from lm_systems.compile_policy import compile_model
 from lm_systems.errors import InputError
 from lm_systems.lit_module import LitLM
-from lm_systems.strategy_offers import BlockRuns, GlobalGradNorm, LocalGradNorm, ShardingUnits
+from lm_systems.training.clipping import clip_grad_norm, global_grad_norm
+from lm_systems.training.compile_policy import compile_model
+from lm_systems.training.strategy_offers import BlockRuns, GlobalGradNorm, LocalGradNorm, ShardingUnits
 from strategies import (
     BucketedDDPStrategy,
     FSDP2Strategy,

@@ -7,7 +7,7 @@ import math
 import torch
 
 from lm_systems.attention.registry import register_attention
-from lm_systems.nvtx import nvtx_range
+from lm_systems.profiling.nvtx import nvtx_range
 
 
 def causal_mask(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:

@@ -48,11 +48,11 @@ from filelock import FileLock
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.runtime.interpreter import InterpretedFunction
 
-from lm_systems.atomic_files import write_json_atomic
 from lm_systems.attention import flash_triton_backward, flash_triton_forward
 from lm_systems.attention.flash_triton_backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from lm_systems.attention.flash_triton_forward import attn_fwd_kernel
-from lm_systems.fingerprint import fingerprint
+from lm_systems.files.atomic_files import write_json_atomic
+from lm_systems.files.fingerprint import fingerprint
 
 CACHE_ENV = "LM_SYSTEMS_TUNING_CACHE"
 OFF = ("off", "0", "false", "no")

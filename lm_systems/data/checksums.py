@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional
 
-from lm_systems.atomic_files import atomic_write_path, write_json_atomic
+from lm_systems.files.atomic_files import atomic_write_path, write_json_atomic
 
 BLOCK_BYTES = 16 << 20
 SIDECAR_SUFFIX = ".check.json"

@@ -24,7 +24,7 @@ from lm_systems.data.cache_files import file_identity
 from lm_systems.data.generated_corpus import GENERATOR_VERSION, ensure_generated_corpus
 from lm_systems.data.hf_cache import checked_load
 from lm_systems.errors import InputError
-from lm_systems.fingerprint import fingerprint
+from lm_systems.files.fingerprint import fingerprint
 
 if TYPE_CHECKING:  # `datasets` is imported where a corpus is read: `train.py --help` does without it
     from datasets import Dataset, DatasetDict

@@ -21,7 +21,7 @@ from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_tok
 from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
 from lm_systems.errors import InputError
-from lm_systems.fingerprint import fingerprint
+from lm_systems.files.fingerprint import fingerprint
 
 TOKENIZER_TRAINING_CHARS = 200_000_000
 """BPE trains on at most this much of the training text (~10% of TinyStories): plenty for a 10k vocabulary."""

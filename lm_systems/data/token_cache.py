@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from lm_systems.atomic_files import atomic_write_path, write_errors_named
 from lm_systems.data.checksums import BlockChecksum, damage, sidecar, sidecar_damage, write_checked_json
 from lm_systems.data.corpus import CorpusSource
 from lm_systems.data.tokenizer import END_OF_TEXT, tokenizer_fingerprint
 from lm_systems.errors import InputError
-from lm_systems.fingerprint import fingerprint
+from lm_systems.files.atomic_files import atomic_write_path, write_errors_named
+from lm_systems.files.fingerprint import fingerprint
 
 if TYPE_CHECKING:  # `datasets` is imported where a cache is built: `train.py --help` does without it
     from datasets import Dataset, DatasetDict

@@ -8,8 +8,8 @@ from attention_reference import reference_attention, rel_error
 
 from lm_systems.attention import get_attention
 from lm_systems.attention.flash_torch import FlashAttention2Torch, flash_forward_torch
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
 
 # (leading dims, N_q, N_k, d): odd lengths, up to three 64-wide tiles, N_q < N_k and N_q > N_k, 2-D and 3-D inputs.
 SHAPES = [

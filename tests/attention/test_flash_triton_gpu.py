@@ -16,8 +16,8 @@ from test_flash_triton import BOUNDS, _check_against_reference, _grads, _inputs 
 from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_triton import _EAGER_KERNELS, TMA_ENV, FlashAttention2Triton, tma_loads  # noqa: E402
 from lm_systems.attention.tuning import AUTOTUNE_ENV, CACHE_ENV  # noqa: E402
-from lm_systems.config import ModelConfig  # noqa: E402
-from lm_systems.model import TransformerLM  # noqa: E402
+from lm_systems.model.config import ModelConfig  # noqa: E402
+from lm_systems.model.transformer import TransformerLM  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -21,7 +21,7 @@ from attention_reference import reference_attention, rel_error  # noqa: E402
 from lm_systems.attention import tuning  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: E402
 from lm_systems.attention.tuning import CACHE_ENV, TuningCache, default_cache_dir  # noqa: E402
-from lm_systems.fingerprint import fingerprint  # noqa: E402
+from lm_systems.files.fingerprint import fingerprint  # noqa: E402
 
 WORKER = Path(__file__).with_name("tuning_worker.py")
 REPO = Path(__file__).resolve().parents[2]

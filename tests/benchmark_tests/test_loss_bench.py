@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import loss as bench
-from lm_systems.loss import default_chunk_tokens
+from lm_systems.model.loss import default_chunk_tokens
 
 # Tiny sizes, one timed step: milliseconds a variant on two cores (the compiled ones compile once each).
 FAST = [

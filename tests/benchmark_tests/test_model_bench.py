@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import model as bench
-from lm_systems.config import MODEL_SIZES
+from lm_systems.model.config import MODEL_SIZES
 
 # The tiny size with a small vocabulary and context keeps each step to milliseconds on two cores.
 FAST = ["--sizes", "tiny", "--vocab-size", "37", "--context-lengths", "9", "--steps", "2", "--warmup-steps", "1"]

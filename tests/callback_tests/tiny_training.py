@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
 
 CONFIG = ModelConfig(
     vocab_size=67, context_length=15, d_model=32, num_layers=2, num_heads=2, d_ff=48, attention="naive"

@@ -11,7 +11,7 @@ from tokenizers import pre_tokenizers
 
 from lm_systems.data.printable import printable_decode
 from lm_systems.data.tokenizer import train_bpe_tokenizer
-from lm_systems.sampling import sample_text
+from lm_systems.training.sampling import sample_text
 
 PROMPT = "Once upon"
 

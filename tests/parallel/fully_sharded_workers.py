@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from parallel_workers import init_group
 from torch.func import functional_call
 
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
 from lm_systems.parallel import FullyShardedDataParallel, sharded_unit
 from lm_systems.parallel.fully_sharded import DEFAULT_UNIT_TYPES
 

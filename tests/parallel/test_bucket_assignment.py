@@ -83,8 +83,8 @@ def test_runs_within_buckets_join_blocks_of_one_bucket_and_leave_a_spanning_bloc
 
 
 def tiny_model(num_layers: int) -> nn.Module:
-    from lm_systems.config import ModelConfig
-    from lm_systems.model import TransformerLM
+    from lm_systems.model.config import ModelConfig
+    from lm_systems.model.transformer import TransformerLM
 
     return TransformerLM(ModelConfig.from_name("tiny", vocab_size=97, num_layers=num_layers))
 

@@ -223,9 +223,9 @@ def test_named_units_and_the_layers_of_the_unit_types_outside_them(single_rank_g
 
 def test_optimizer_groups_see_the_shards_as_they_saw_the_parameters(single_rank_group):
     """Shards keep their names, modules and dims: LitLM's weight-decay grouping puts each where it was."""
-    from lm_systems.config import ModelConfig
-    from lm_systems.model import TransformerLM
-    from lm_systems.optim import adamw_param_groups
+    from lm_systems.model.config import ModelConfig
+    from lm_systems.model.transformer import TransformerLM
+    from lm_systems.training.optim import adamw_param_groups
 
     model = TransformerLM(ModelConfig.from_name("tiny", vocab_size=65, d_model=32, num_layers=2, num_heads=2, d_ff=48))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -297,7 +297,7 @@ def test_a_shard_whose_data_is_replaced_is_gathered_with_its_new_values(single_r
 def test_a_replicating_container_offers_torchs_global_norm(single_rank_group):
     """Every container is a GlobalGradNorm; one whose ranks hold every gradient takes torch's norm over them."""
     from lm_systems.parallel import NaiveDDP
-    from lm_systems.strategy_offers import GlobalGradNorm
+    from lm_systems.training.strategy_offers import GlobalGradNorm
 
     model = NaiveDDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)))
     for p in model.parameters():

@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lm_systems.run_logger import log_text
-from lm_systems.sampling import sample_text
+from lm_systems.run.logger import log_text
+from lm_systems.training.sampling import sample_text
 
 
 class TrainingSample(L.Callback):

@@ -8,8 +8,8 @@ import torch
 from tokenizers import Tokenizer
 
 from lm_systems.data.printable import printable_decode
-from lm_systems.model import TransformerLM
-from lm_systems.nonfinite import divergence_advice
+from lm_systems.model.transformer import TransformerLM
+from lm_systems.training.nonfinite import divergence_advice
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
-from lm_systems.run_logger import log_text
+from lm_systems.run.logger import log_text
 
 
 class RunSummary(L.Callback):

@@ -5,8 +5,8 @@ over tokens) computed a chunk of tokens at a time. With gradients on, forward al
 each chunk the logits' gradient, (softmax - one-hot) / N, overwrites the chunk's logits and goes straight into
 grad_hidden = g @ W and grad_weight += gᵀ @ h. Backward only scales the two by grad_output, so no logits are kept for
 it and the weight is not read after forward (ZeRO-3 frees its gathered LM head there). On a GPU each chunk's rows are
-one Triton kernel (``lm_systems.loss_kernel``) that writes the gradient in place; peak extra memory is then one chunk's
-logits in the compute dtype and the two gradients. Liger-Kernel's FusedLinearCrossEntropy is the same idea.
+one Triton kernel (``lm_systems.model.loss_kernel``) that writes the gradient in place; peak extra memory is then one
+chunk's logits in the compute dtype and the two gradients. Liger-Kernel's FusedLinearCrossEntropy is the same idea.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from lm_systems.loss_kernel import cross_entropy_rows_
+from lm_systems.model.loss_kernel import cross_entropy_rows_
 
 # A chunk's float32 logits: 4,096 tokens at vocab 151,936. Fewer, larger chunks ran faster on a GPU, and 4,096 still
 # took a third of the plain loss's memory at 32,768 tokens (benchmarks/results/fused_loss.md).

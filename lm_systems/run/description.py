@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lm_systems.attention import describe_attention
-from lm_systems.config import ModelConfig
-from lm_systems.model import TransformerLM
-from lm_systems.model_shape import DataShape
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.shape import DataShape
+from lm_systems.model.transformer import TransformerLM
 
 
 def describe_model(

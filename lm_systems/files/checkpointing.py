@@ -3,7 +3,7 @@
 ``StepCheckpoint`` writes ``step=N.ckpt`` every N optimizer steps and at the end of fit, and points
 ``last.ckpt`` at the newest one; ``CrashCheckpoint`` writes ``crash.ckpt`` when a single-process run
 stops on an exception (Ctrl-C, SIGTERM, an error). LitLM refuses to save non-finite weights, and
-:mod:`lm_systems.checkpoint_io`'s ``SafeCheckpointIO`` writes every file atomically.
+:mod:`lm_systems.files.checkpoint_io`'s ``SafeCheckpointIO`` writes every file atomically.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lm_systems.atomic_files import link_atomically, remove_abandoned_temporaries
 from lm_systems.compat.lightning import LinkingModelCheckpoint
 from lm_systems.errors import WRITE_ERRNOS, RunError, os_error_in
+from lm_systems.files.atomic_files import link_atomically, remove_abandoned_temporaries
 
 
 class StepCheckpoint(LinkingModelCheckpoint):

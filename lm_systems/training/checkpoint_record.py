@@ -8,10 +8,10 @@ from typing import Any, Optional
 
 import lightning.pytorch as L
 
-from lm_systems.config import ModelConfig
 from lm_systems.data.tokenizer import tokenizer_mismatch
 from lm_systems.errors import InputError
-from lm_systems.nonfinite import NonFiniteGuard, NonFiniteWeightsError, weights_are_finite
+from lm_systems.model.config import ModelConfig
+from lm_systems.training.nonfinite import NonFiniteGuard, NonFiniteWeightsError, weights_are_finite
 
 
 def record_run(checkpoint: dict[str, Any], config: ModelConfig, trainer: L.Trainer) -> None:

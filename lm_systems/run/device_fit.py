@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lm_systems.attention.registry import attention_device_problem
-from lm_systems.config import ModelConfig
 from lm_systems.errors import InputError
-from lm_systems.model import TransformerLM
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.transformer import TransformerLM
 
 CPU_MAX_PARAMETERS = 20_000_000
 """Past this many parameters a CPU run is warned about: the `tiny` size (a few million) is the CPU's model, and

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from lm_systems.attention import attention_names
-from lm_systems.recompute import RECOMPUTE_POLICIES
+from lm_systems.model.recompute import RECOMPUTE_POLICIES
 
 
 @dataclass(frozen=True)
@@ -25,10 +25,10 @@ class ModelConfig:
     attention: str = "auto"
     """Attention implementation by name (``lm_systems.attention.attention_names()``)."""
     activation_checkpointing: str = "none"
-    """What backward recomputes instead of keeping: none, blocks or selective (``lm_systems.recompute``)."""
+    """What backward recomputes instead of keeping: none, blocks or selective (``lm_systems.model.recompute``)."""
     fused_loss: bool = True
     """The LM head and cross-entropy over chunks of tokens, never holding every position's logits
-    (``lm_systems.loss``); False computes the logits, then the cross-entropy."""
+    (``lm_systems.model.loss``); False computes the logits, then the cross-entropy."""
 
     def __post_init__(self) -> None:
         if self.attention not in attention_names():  # checked here only: the model and the registry trust it

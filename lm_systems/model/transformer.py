@@ -16,10 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lm_systems.attention import get_attention
-from lm_systems.config import ModelConfig
-from lm_systems.loss import fused_linear_cross_entropy
-from lm_systems.nvtx import nvtx_range
-from lm_systems.recompute import run_with_recompute
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.loss import fused_linear_cross_entropy
+from lm_systems.model.recompute import run_with_recompute
+from lm_systems.profiling.nvtx import nvtx_range
 
 
 def _init_linear(layer: nn.Linear) -> None:
@@ -119,7 +119,7 @@ class TransformerBlock(nn.Module):
 
 class LMHead(nn.Linear):
     """The output projection: logits, or given the targets, their mean cross-entropy, computed over chunks of
-    tokens without every position's logits where ``fused`` (``lm_systems.loss``). The loss is computed inside this
+    tokens without every position's logits where ``fused`` (``lm_systems.model.loss``). The loss is computed inside this
     module's call, so a sharding container's hooks on it gather its weight for it."""
 
     def __init__(self, d_model: int, vocab_size: int, fused: bool) -> None:

@@ -20,14 +20,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lm_systems.atomic_files import atomic_write_path
+from lm_systems.files.atomic_files import atomic_write_path
 
 HELP_FLAGS = ("--help", "-h")
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # What builds the parser: its classes' signatures and docstrings, and the libraries that render them.
 SOURCE_DIRS = ("lm_systems", "strategies", "callbacks")
 LIBRARIES = ("lightning", "jsonargparse", "torch", "docstring_parser", "typeshed_client")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def is_help_request(args: Sequence[str]) -> bool:

@@ -1,7 +1,7 @@
 """Clipping by the global gradient norm, for every strategy and precision, with the non-finite watch on the norm.
 
-The norm comes from one seam, :class:`lm_systems.strategy_offers.GlobalGradNorm`: the strategy's where it offers one
-(its ranks hold different gradients), else torch's over the module's parameters. Done here rather than by
+The norm comes from one seam, :class:`lm_systems.training.strategy_offers.GlobalGradNorm`: the strategy's where it
+offers one (its ranks hold different gradients), else torch's over the module's parameters. Done here rather than by
 Lightning's precision plugin, which refuses to clip for an optimizer that unscales inside ``step()`` (fused AdamW),
 even under bf16-mixed where nothing is scaled.
 """
@@ -17,8 +17,8 @@ import torch
 from lm_systems.compat.lightning import logs_this_step
 from lm_systems.compat.torch import can_scale_in_step, scale_in_step, skip_step_on_device, unscales_in_step
 from lm_systems.errors import InputError
-from lm_systems.nonfinite import NonFiniteGuard
-from lm_systems.strategy_offers import GlobalGradNorm, LocalGradNorm
+from lm_systems.training.nonfinite import NonFiniteGuard
+from lm_systems.training.strategy_offers import GlobalGradNorm, LocalGradNorm
 
 ClipFn = Callable[[float, bool], tuple[torch.Tensor, Optional[torch.Tensor]]]
 """``(max_norm, in_step)`` → the norm before clipping and the divisor left for the step (see ``clip_grad_norm``)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lm_systems.model import RMSNorm
+from lm_systems.model.transformer import RMSNorm
 
 
 def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -24,9 +24,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lm_systems.compat.lightning import align_logging_step
-from lm_systems.config import ModelConfig
 from lm_systems.errors import InputError
-from lm_systems.nonfinite import weights_are_finite
+from lm_systems.model.config import ModelConfig
+from lm_systems.training.nonfinite import weights_are_finite
 
 SHAPE_KEYS = ("size", "vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta")
 """LitLM arguments that fix the model's shape: a resumed run keeps the checkpoint's."""

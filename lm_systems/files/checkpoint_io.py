@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lm_systems.atomic_files import atomic_write_path
 from lm_systems.compat.lightning import is_local_path
+from lm_systems.files.atomic_files import atomic_write_path
 
 
 class SafeCheckpointIO(TorchCheckpointIO):

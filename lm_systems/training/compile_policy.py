@@ -8,8 +8,8 @@ import lightning.pytorch as L
 from lightning.pytorch.utilities import rank_zero_info
 
 from lm_systems.errors import InputError
-from lm_systems.model import TransformerLM
-from lm_systems.strategy_offers import BlockRuns
+from lm_systems.model.transformer import TransformerLM
+from lm_systems.training.strategy_offers import BlockRuns
 
 CompileChoice = Union[bool, Literal["blocks", "model", "buckets"]]
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import Any, Optional
 
-from lm_systems.config import ModelConfig
 from lm_systems.errors import InputError
+from lm_systems.model.config import ModelConfig
 
 DataShape = tuple[Optional[int], Optional[int]]
 """(batch size, context) of the data's windows."""
