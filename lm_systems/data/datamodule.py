@@ -2,37 +2,21 @@
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
-from lm_systems.data.cache_files import cache_lock
-from lm_systems.data.checksums import sidecar_damage
-from lm_systems.data.corpus import CorpusSource, LazyCorpus, iter_texts, resolve_corpus
+from lm_systems.data.corpus import resolve_corpus
+from lm_systems.data.preparation import CorpusPreparation, PreparedData
 from lm_systems.data.synthetic import SyntheticTrainStream, SyntheticValidation
-from lm_systems.data.token_cache import TokenSplits, build_token_cache, open_token_cache, token_cache_entry
-from lm_systems.data.tokenizer import END_OF_TEXT, load_tokenizer, save_tokenizer, train_bpe_tokenizer
+from lm_systems.data.token_cache import TokenSplits
+from lm_systems.data.tokenizer import END_OF_TEXT
 from lm_systems.data.windows import TrainWindowStream, ValidationWindows, validation_window_starts
 from lm_systems.errors import InputError
-from lm_systems.files.fingerprint import fingerprint
-
-TOKENIZER_TRAINING_CHARS = 200_000_000
-"""BPE trains on at most this much of the training text (~10% of TinyStories): plenty for a 10k vocabulary."""
-
-
-@dataclass(frozen=True)
-class PreparedData:
-    """What preparation produced: the tokenizer and the complete token cache entry."""
-
-    tokenizer: Tokenizer
-    tokens: TokenSplits
 
 
 class LMDataModule(L.LightningDataModule):
@@ -108,9 +92,20 @@ class LMDataModule(L.LightningDataModule):
         self.text_column = text_column
         self.generated_stories = generated_stories
         self.synthetic = synthetic
-        # Checked now so a typo fails before any model is built; nothing is read yet.
-        self._source: CorpusSource | None = (
-            None if synthetic else resolve_corpus(corpus, self.cache_dir, generated_stories, seed)
+        # The corpus is resolved now so a typo fails before any model is built; nothing is read yet.
+        self._preparation = (
+            None
+            if synthetic
+            else CorpusPreparation(
+                corpus,
+                resolve_corpus(corpus, self.cache_dir, generated_stories, seed),
+                self.cache_dir,
+                text_column,
+                val_fraction,
+                num_proc,
+                tokenizer,
+                vocab_size,
+            )
         )
         self._prepared: PreparedData | None = None
         self._train_start_batch = 0
@@ -246,60 +241,9 @@ class LMDataModule(L.LightningDataModule):
         )
 
     def _prepare(self) -> PreparedData:
-        """Load or build the tokenizer and the token cache, once per process.
-
-        The lock makes concurrent processes (ranks that read ``vocab_size`` before ``prepare_data`` ran
-        on rank 0, or two runs sharing a cache) build each entry once; the others then load it.
-        """
-        if self._prepared is not None:
-            return self._prepared
-        if self._source is None:
-            raise RuntimeError("synthetic data (--data.synthetic true) has no corpus, tokenizer or token cache")
-        corpus = LazyCorpus(self._source, self.cache_dir, self.text_column)  # read only if something must be built
-        with cache_lock(self.cache_dir):
-            tokenizer = self._load_or_train_tokenizer(corpus)
-            entry = token_cache_entry(self.cache_dir, self._source, tokenizer, self.text_column, self.val_fraction)
-            tokens = open_token_cache(entry)
-            if tokens is None:
-                tokens = build_token_cache(
-                    entry, corpus.get(), self._source, tokenizer, self.val_fraction, self.num_proc
-                )
-                rank_zero_info(
-                    f"tokenized {self.corpus!r}: {tokens.meta['tokens']} tokens, vocab {tokens.meta['vocab_size']}, "
-                    f"in {tokens.meta['seconds']} s → {entry}"
-                )
-        self._prepared = PreparedData(tokenizer, tokens)
+        """The tokenizer and token cache, prepared once per process (``lm_systems.data.preparation``)."""
+        if self._prepared is None:
+            if self._preparation is None:
+                raise RuntimeError("synthetic data (--data.synthetic true) has no corpus, tokenizer or token cache")
+            self._prepared = self._preparation.run()
         return self._prepared
-
-    def _load_or_train_tokenizer(self, corpus: LazyCorpus) -> Tokenizer:
-        if self.tokenizer_path is not None:
-            return load_tokenizer(self.tokenizer_path)
-        path = self.cache_dir / "tokenizers" / self._tokenizer_key() / "tokenizer.json"
-        if path.is_file():
-            problem = sidecar_damage(path)
-            if problem is None:
-                return load_tokenizer(path)
-            warnings.warn(f"the cached tokenizer is damaged: {problem}; training it again", stacklevel=2)
-        train_split = corpus.get()["train"]
-        rank_zero_info(
-            f"training a byte-level BPE of up to {self.target_vocab_size} tokens (--data.vocab_size) on {self.corpus!r}"
-        )
-        texts = iter_texts(train_split, TOKENIZER_TRAINING_CHARS)
-        tokenizer = train_bpe_tokenizer(texts, self.target_vocab_size)
-        if tokenizer.get_vocab_size() < self.target_vocab_size:
-            rank_zero_info(
-                f"the BPE stopped at {tokenizer.get_vocab_size()} tokens: every word that occurs twice in "
-                f"{self.corpus!r} is one token already, so no merge is left to learn"
-            )
-        save_tokenizer(tokenizer, path)
-        return tokenizer
-
-    def _tokenizer_key(self) -> str:
-        return fingerprint(
-            {
-                "corpus": self._source.identity,
-                "text_column": self.text_column,
-                "vocab_size": self.target_vocab_size,
-                "training_chars": TOKENIZER_TRAINING_CHARS,
-            }
-        )

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lm_systems.data import datamodule as datamodule_module
+from lm_systems.data import preparation
 from lm_systems.data.tokenizer import END_OF_TEXT, train_bpe_tokenizer
 
 WORDS = "the cat dog sat ran on a mat under big red sun and then slept ate fish bird flew over hill".split()
@@ -26,7 +26,7 @@ def random_documents(count: int, seed: int) -> list[str]:
 
 @pytest.fixture
 def build_calls(monkeypatch):
-    """Counts tokenizer trainings and token-cache builds done by LMDataModule."""
+    """Counts tokenizer trainings and token-cache builds done by LMDataModule (through its CorpusPreparation)."""
     calls = {"tokenizer": 0, "tokens": 0}
 
     def counting(name, function):
@@ -36,10 +36,8 @@ def build_calls(monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(
-        datamodule_module, "train_bpe_tokenizer", counting("tokenizer", datamodule_module.train_bpe_tokenizer)
-    )
-    monkeypatch.setattr(datamodule_module, "build_token_cache", counting("tokens", datamodule_module.build_token_cache))
+    monkeypatch.setattr(preparation, "train_bpe_tokenizer", counting("tokenizer", preparation.train_bpe_tokenizer))
+    monkeypatch.setattr(preparation, "build_token_cache", counting("tokens", preparation.build_token_cache))
     return calls
 
 

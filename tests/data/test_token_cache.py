@@ -8,8 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from lm_systems.data import datamodule as datamodule_module
-from lm_systems.data import token_cache
+from lm_systems.data import preparation, token_cache
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.data.token_cache import build_token_cache, token_dtype
 from lm_systems.data.tokenizer import END_OF_TEXT, save_tokenizer, train_bpe_tokenizer
@@ -102,7 +101,7 @@ def _prepare_and_report(corpus, cache_dir, builds_log, queue) -> None:
         time.sleep(1.0)  # widens the race: without the lock, the other process would start its own build
         return build_token_cache(*args, **kwargs)
 
-    datamodule_module.build_token_cache = logged_build  # in this forked process only
+    preparation.build_token_cache = logged_build  # in this forked process only
     module = prepare(corpus, cache_dir)
     queue.put((module.vocab_size, module.token_splits.tokens("train").tolist()))
 
