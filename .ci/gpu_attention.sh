@@ -17,12 +17,11 @@
 # without it). Stages run under time limits; one that fails or times out is logged and the next one runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_attention_out}
+OUT_NAME=gpu_attention_out source .ci/gpu_stages.sh  # $OUT; the wheels the GPU image lacks; run
 mkdir -p "$OUT/results"
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(tune headline tests long)
+[ $# -eq 0 ] && STAGES=(tune headline tests long)
 
-source .ci/gpu_stages.sh  # the wheels the GPU image lacks; run STAGE SECONDS COMMAND...
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee "$OUT/versions.txt"
 

@@ -50,12 +50,8 @@
 # Stages run under time limits; one that fails or times out is logged and the next one runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_data_parallel_out}
-mkdir -p "$OUT"
-STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests)
-
-source .ci/gpu_stages.sh  # the wheels the GPU image lacks; record_versions; run STAGE SECONDS COMMAND...
+OUT_NAME=gpu_data_parallel_out source .ci/gpu_stages.sh  # $OUT; the wheels the GPU image lacks; record_versions; run
+STAGES=("${@:-tests}")
 record_versions
 
 scaling() {  # scaling NAME CONFIG ROUNDS SETUPS... (in the environment, TRACE_STEPS=N: trace N steps after each

@@ -16,12 +16,8 @@
 # Writes logs, junit xml and the benchmark tables under $OUT (./gpu_leaderboard_out without it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_leaderboard_out}
-mkdir -p "$OUT"
-STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(test)
-
-source .ci/gpu_stages.sh  # the wheels the GPU image lacks; record_versions; run STAGE SECONDS COMMAND...
+OUT_NAME=gpu_leaderboard_out source .ci/gpu_stages.sh  # $OUT; the wheels the GPU image lacks; record_versions; run
+STAGES=("${@:-test}")
 record_versions
 
 TORCH_STACK="fsdp2+--model.fused_loss=false"  # torch's sharding and the plain loss; the same recompute and attention

@@ -1,4 +1,7 @@
-# Sourced by the .ci/gpu_*.sh scripts (with $OUT set): what every GPU stage script needs.
+# Sourced by the .ci/gpu_*.sh scripts from the repository root, with OUT_NAME set: what every GPU stage script needs.
+
+OUT=${OUT:-$PWD/$OUT_NAME}  # logs, junit xml and tables; ./$OUT_NAME without OUT
+mkdir -p "$OUT"
 
 # The GPU image lacks jsonargparse[signatures] (train.py's LightningCLI) and datasets: wheels in .whl/.
 if [ -d .whl ] && ! python -c "import docstring_parser, typeshed_client" 2>/dev/null; then
