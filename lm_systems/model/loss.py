@@ -20,8 +20,8 @@ import torch
 
 from lm_systems.model.loss_kernel import cross_entropy_rows_
 
-# A chunk's float32 logits: 4,096 tokens at vocab 151,936. Fewer, larger chunks ran faster on a GPU, and 4,096 still
-# took a third of the plain loss's memory at 32,768 tokens (benchmarks/results/fused_loss.md).
+# A chunk's float32 logits: 4,096 tokens at vocab 151,936, where smaller chunks ran slower on a GPU and larger ones no
+# faster (benchmarks/results/fused_loss.md).
 CHUNK_LOGITS_BYTES = 5 * 2**29
 # How each chunk's softmax and gradient are computed: one Triton kernel in place, one compiled function, eager passes.
 CHUNK_KERNELS = ("triton", "compiled", "eager")
