@@ -25,7 +25,7 @@ class ModelConfig:
     attention: str = "auto"
     """Attention implementation by name (``lm_systems.attention.attention_names()``)."""
     activation_checkpointing: str = "none"
-    """What backward recomputes instead of keeping: none, blocks or selective (``lm_systems.model.recompute``)."""
+    """What backward recomputes instead of keeping: one of ``lm_systems.model.recompute.RECOMPUTE_POLICIES``."""
     fused_loss: bool = True
     """The LM head and cross-entropy over chunks of tokens, never holding every position's logits
     (``lm_systems.model.loss``); False computes the logits, then the cross-entropy."""

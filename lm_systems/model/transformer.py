@@ -75,9 +75,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
-        q, k, v = (
-            self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        )  # 3 × (B, H, T, dh)
+        # 3 × (B, H, T, dh)
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k = self.rope(q), self.rope(k)
         attend = get_attention(self.attention_name, q)
         y = attend(q, k, v, True)  # (B, H, T, dh)
@@ -201,9 +200,8 @@ class TransformerLM(nn.Module):
 
         The plain loss (``fused_loss`` off) is compiled with the head, as the head's forward.
         """
-        if (
-            not self.config.fused_loss
-        ):  # the logits' cast, softmax and loss as fused kernels (the fused loss runs eager)
+        # The logits' cast, softmax and loss as fused kernels (the fused loss's chunk loop runs eagerly).
+        if not self.config.fused_loss:
             self.lm_head.forward = torch.compile(self.lm_head.forward, **compile_options)
         if runs is None:
             for block in self.blocks:

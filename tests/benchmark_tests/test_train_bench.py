@@ -90,6 +90,27 @@ def test_the_plain_loop_switches_attention_in_place(tmp_path):
     assert called == ["naive"] * plain.model.config.num_layers
 
 
+TINY_RUN = [
+    "--size",
+    "tiny",
+    "--shapes",
+    "32x2",
+    "--attention",
+    "sdpa",
+    "--compile",
+    "off",
+    "--rounds",
+    "2",
+    "--warmup",
+    "1",
+    "--steps",
+    "2",
+    "--device",
+    "cpu",
+]
+"""A tiny model, two rounds of two steps, on the CPU."""
+
+
 class Killed(Exception):
     """Stands in for the device's call limit ending the process (Lightning catches KeyboardInterrupt itself)."""
 
@@ -107,26 +128,7 @@ def test_a_run_cut_short_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench.PlainLoop, "step", step_then_killed)
     with pytest.raises(Killed):
-        bench.main(
-            [
-                "--size",
-                "tiny",
-                "--shapes",
-                "32x2",
-                "--attention",
-                "sdpa",
-                "--compile",
-                "off",
-                "--rounds",
-                "2",
-                "--warmup",
-                "1",
-                "--steps",
-                "2",
-                "--out-dir",
-                str(tmp_path / "out"),
-            ]
-        )
+        bench.main([*TINY_RUN, "--out-dir", str(tmp_path / "out")])
     rows = list(csv.DictReader((tmp_path / "out" / "train_step.csv").open()))
     assert {row["path"]: row["rounds"] for row in rows} == {"train_py": "1", "plain": "1", "train_py / plain": "1"}
 
@@ -211,26 +213,6 @@ def test_each_setup_lets_go_of_its_models_before_the_next(tmp_path, monkeypatch)
         ]
     )
     assert alive == [0, 0]
-
-
-TINY_RUN = [
-    "--size",
-    "tiny",
-    "--shapes",
-    "32x2",
-    "--attention",
-    "sdpa",
-    "--compile",
-    "off",
-    "--rounds",
-    "2",
-    "--warmup",
-    "1",
-    "--steps",
-    "2",
-    "--device",
-    "cpu",
-]
 
 
 @pytest.mark.slow
