@@ -245,9 +245,6 @@ class ShardedUnit:
 
     # -- gradients ---------------------------------------------------------------------------
 
-    def has_local_grads(self) -> bool:
-        return any(p.full.grad is not None for p in self.trainable)
-
     @torch.no_grad()
     def start_reduce_scatter(self) -> PendingReduction:
         """Launch the reduce-scatter (the mean over ranks) of the full gradients into every rank's shard; the
