@@ -320,7 +320,7 @@ def flash_backward_triton(
 
 
 class FlashAttention2Triton(
-    flash_attention_function(flash_forward_triton, flash_backward_triton, autocast_inputs=True)
+    flash_attention_function("FlashAttention2Triton", flash_forward_triton, flash_backward_triton, autocast_inputs=True)
 ):
     """FlashAttention-2 with Triton kernels for forward and backward:
     ``FlashAttention2Triton.apply(q, k, v, is_causal)``; saves only L beside q, k, v, O."""

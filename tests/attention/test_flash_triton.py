@@ -17,6 +17,7 @@ if sys.platform != "linux":  # triton is a dependency on Linux only; there a bro
 from attention_reference import reference_attention, rel_error  # noqa: E402
 
 from lm_systems.attention import flash_triton  # noqa: E402
+from lm_systems.attention.flash_torch import FlashAttention2Torch  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton, flash_forward_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,6 +111,13 @@ def test_logsumexp_is_saved_and_matches_reference():
     out = FlashAttention2Triton.apply(q, k, v, True)
     saved = out.grad_fn.saved_tensors
     assert [t.shape for t in saved] == [q.shape, k.shape, v.shape, q.shape, q.shape[:-1]]
+
+
+def test_each_implementation_names_its_autograd_node():
+    # What grad_fn, profiler traces and anomaly reports show: the two FlashAttention-2 Functions apart.
+    q = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
+    names = {type(cls.apply(q, q, q, False).grad_fn).__name__ for cls in (FlashAttention2Torch, FlashAttention2Triton)}
+    assert names == {"_FlashAttention2TorchFunctionBackward", "_FlashAttention2TritonFunctionBackward"}
 
 
 @pytest.mark.slow
