@@ -19,6 +19,7 @@ from attention_reference import reference_attention, rel_error  # noqa: E402
 from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_torch import FlashAttention2Torch  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton, flash_forward_triton  # noqa: E402
+from lm_systems.attention.registry import attention_device_problem  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -161,5 +162,7 @@ def test_bad_inputs_raise_clear_errors(make_bad, message):
 def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(flash_triton, "interpreting", lambda: False)
     q = torch.randn(1, 2, 9, 16)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1") as refused:
         FlashAttention2Triton.apply(q, q, q, False)
+    # The check at the door (before a run prepares anything) and the call's own check say the same.
+    assert attention_device_problem("flash_triton", "cpu") in str(refused.value)
