@@ -124,7 +124,7 @@ def flash_backward_torch(
     return dq, dk, dv
 
 
-class FlashAttention2Torch(flash_attention_function(flash_forward_torch, flash_backward_torch)):
+class FlashAttention2Torch(flash_attention_function("FlashAttention2Torch", flash_forward_torch, flash_backward_torch)):
     """FlashAttention-2 in plain PyTorch: ``FlashAttention2Torch.apply(q, k, v, is_causal)``; saves only L beside
     q, k, v, O."""
 

@@ -54,11 +54,23 @@ def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
         )
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"FlashAttention2Triton supports float16, bfloat16 and float32 inputs, got {q.dtype}")
-    if q.device.type != "cuda" and not interpreting():
+    problem = _device_problem(q.device.type)
+    if problem is not None:
         raise ValueError(
-            f"FlashAttention2Triton needs CUDA tensors, got {q.device.type}: move the inputs to a GPU, set "
-            "TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU, or use attention='sdpa'"
+            f"FlashAttention2Triton cannot take {q.device.type} tensors: {problem}; move the inputs to a GPU or use "
+            "attention='sdpa'"
         )
+
+
+def _device_problem(device_type: str) -> str | None:
+    """Why the kernels cannot run on ``device_type``, or None where they can: the one rule behind both the check
+    at the door (the registry's ``device_problem``, before a run prepares anything) and the per-call check above."""
+    if device_type == "cuda" or interpreting():
+        return None
+    return (
+        "its Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 set before triton is imported, Triton's slow CPU "
+        "interpreter)"
+    )
 
 
 def _as_bhnd(x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +332,7 @@ def flash_backward_triton(
 
 
 class FlashAttention2Triton(
-    flash_attention_function(flash_forward_triton, flash_backward_triton, autocast_inputs=True)
+    flash_attention_function("FlashAttention2Triton", flash_forward_triton, flash_backward_triton, autocast_inputs=True)
 ):
     """FlashAttention-2 with Triton kernels for forward and backward:
     ``FlashAttention2Triton.apply(q, k, v, is_causal)``; saves only L beside q, k, v, O."""
@@ -341,12 +353,6 @@ def _faster_when_compiled(q: torch.Tensor) -> bool:
         and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM
         and q.shape[-2] <= AUTO_MAX_SEQ_LEN
     )
-
-
-def _device_problem(device_type: str) -> str | None:
-    if device_type == "cuda" or interpreting():
-        return None
-    return "its Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)"
 
 
 @register_attention(

@@ -188,17 +188,15 @@ class TunedKernel:
         cache = self._cache()
         if cache is None or len(candidates) < 2:
             return None
-        return cache.get(self._entry(candidates, named), candidates)
+        return cache.get(self._entry(candidates, named, self.tuning_key(named)), candidates)
 
     def _cache(self) -> TuningCache | None:
         root = default_cache_dir()
         return None if root is None else TuningCache(root)
 
-    def _entry(self, candidates: list[triton.Config], named: dict[str, Any]) -> dict[str, Any]:
+    def _entry(self, candidates: list[triton.Config], named: dict[str, Any], key: tuple) -> dict[str, Any]:
         device = next(value.device for value in named.values() if isinstance(value, torch.Tensor))
-        return TuningCache.entry(
-            self.kernel.__name__, self.source, device_label(device), self.tuning_key(named), candidates
-        )
+        return TuningCache.entry(self.kernel.__name__, self.source, device_label(device), key, candidates)
 
     def _choose(self, key: tuple, grid, args: tuple, kwargs: dict, named: dict) -> triton.Config:
         candidates = self.prune(self.configs, named)
@@ -207,7 +205,7 @@ class TunedKernel:
         cache = self._cache()
         if cache is None:
             return self._fastest(candidates, grid, args, kwargs)[0]
-        entry = self._entry(candidates, named)
+        entry = self._entry(candidates, named, key)
         with cache.lock(entry):  # a process that waited here finds the entry the other one stored
             config = cache.get(entry, candidates)
             if config is None:

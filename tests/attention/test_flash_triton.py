@@ -17,7 +17,9 @@ if sys.platform != "linux":  # triton is a dependency on Linux only; there a bro
 from attention_reference import reference_attention, rel_error  # noqa: E402
 
 from lm_systems.attention import flash_triton  # noqa: E402
+from lm_systems.attention.flash_torch import FlashAttention2Torch  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton, flash_forward_triton  # noqa: E402
+from lm_systems.attention.registry import attention_device_problem  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -112,6 +114,13 @@ def test_logsumexp_is_saved_and_matches_reference():
     assert [t.shape for t in saved] == [q.shape, k.shape, v.shape, q.shape, q.shape[:-1]]
 
 
+def test_each_implementation_names_its_autograd_node():
+    # What grad_fn, profiler traces and anomaly reports show: the two FlashAttention-2 Functions apart.
+    q = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
+    names = {type(cls.apply(q, q, q, False).grad_fn).__name__ for cls in (FlashAttention2Torch, FlashAttention2Triton)}
+    assert names == {"_FlashAttention2TorchFunctionBackward", "_FlashAttention2TritonFunctionBackward"}
+
+
 @pytest.mark.slow
 def test_strided_inputs_as_the_model_passes_them():
     # q, k, v as views of one fused projection (B, T, 3, H, d) → (B, H, T, d) with row stride 3·H·d,
@@ -153,5 +162,7 @@ def test_bad_inputs_raise_clear_errors(make_bad, message):
 def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(flash_triton, "interpreting", lambda: False)
     q = torch.randn(1, 2, 9, 16)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1") as refused:
         FlashAttention2Triton.apply(q, q, q, False)
+    # The check at the door (before a run prepares anything) and the call's own check say the same.
+    assert attention_device_problem("flash_triton", "cpu") in str(refused.value)
