@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 
 import torch
 
+from lm_systems.model import loss_kernel
 from lm_systems.model.loss_kernel import cross_entropy_rows_
 
 # A chunk's float32 logits: 4,096 tokens at vocab 151,936, where smaller chunks ran slower on a GPU and larger ones no
@@ -72,10 +72,10 @@ def fused_linear_cross_entropy(
 def _check_chunk_kernel(chunk_kernel: str, hidden: torch.Tensor) -> None:
     if chunk_kernel not in CHUNK_KERNELS:
         raise ValueError(f"chunk_kernel must be one of {', '.join(CHUNK_KERNELS)}, got {chunk_kernel!r}")
-    if chunk_kernel == "triton" and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if chunk_kernel == "triton" and not hidden.is_cuda and not loss_kernel.INTERPRETED:
         raise ValueError(
-            "chunk_kernel 'triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret it on the CPU); "
-            "use 'eager' here"
+            "chunk_kernel 'triton' needs a CUDA device (or TRITON_INTERPRET=1 set before triton is imported, to "
+            "interpret it on the CPU); use 'eager' here"
         )
 
 

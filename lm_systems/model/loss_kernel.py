@@ -13,6 +13,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 MAX_BLOCK = 4096  # vocabulary entries a program reads at once
 
@@ -57,6 +58,10 @@ def _cross_entropy_rows(
             x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             grad = tl.exp(x - row_max - offset) - tl.where(cols == target, inv_tokens, 0.0)
             tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+# Fixed when the kernel is defined: triton.jit builds an interpreted kernel iff TRITON_INTERPRET=1 then.
+INTERPRETED = isinstance(_cross_entropy_rows, InterpretedFunction)
 
 
 def cross_entropy_rows_(
