@@ -275,9 +275,8 @@ def check_trainer_choices(trainer: Any, ours: Sequence[str] = ()) -> None:
     }
     for name, valid in choices.items():
         value = trainer.get(name)
-        if (
-            isinstance(value, (str, int)) and str(value) not in valid
-        ):  # an object from a YAML config is Lightning's to check
+        # Names only: an object from a YAML config is Lightning's to check.
+        if isinstance(value, (str, int)) and str(value) not in valid:
             raise ValueError(f"--{name} (--trainer.{name}) {value!r} is not one of: {', '.join(valid)}")
     devices = trainer.get("devices")
     if isinstance(devices, str) and devices.lstrip("-").isdigit():
@@ -306,9 +305,10 @@ _DEVICE_LIST = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*")
 
 _UNTELLING_LINES = (
     "💡 Tip",  # advertising
+    # the model's line says where it trains
     "GPU available:",
     "TPU available:",
-    "HPU available:",  # the model's line says where it trains
+    "HPU available:",
     "`Trainer.fit` stopped:",  # printed onto the bar's line; the run's summary says how many steps ran
 )
 

@@ -100,11 +100,11 @@ def checked_writer(path: str | Path) -> Iterator[_ChecksummedFile]:
     write_json_atomic(sidecar(path), checksum.record())
 
 
-def record_written_file(path: str | Path, chunk_bytes: int = BLOCK_BYTES) -> None:
+def record_written_file(path: str | Path) -> None:
     """Write the sidecar record of ``path`` as it is now: for a file another library has just written whole."""
     path, checksum = Path(path), BlockChecksum()
     with open(path, "rb") as file:
-        while chunk := file.read(chunk_bytes):
+        while chunk := file.read(BLOCK_BYTES):
             checksum.update(chunk)
     write_json_atomic(sidecar(path), checksum.record())
 

@@ -79,27 +79,23 @@ class LMDataModule(L.LightningDataModule):
                 f"--data.tokenizer {tokenizer!r} is not a file (pass a tokenizer.json, or leave it unset to train one)"
             )
         self.corpus = corpus
-        self.tokenizer_path = tokenizer
         self.target_vocab_size = vocab_size
         self.context_length = context_length
         self.batch_size = batch_size
-        self.val_fraction = val_fraction
         self.val_batches = val_batches
         self.num_workers = num_workers
-        self.num_proc = num_proc
-        self.cache_dir = Path(cache_dir)
         self.seed = seed
-        self.text_column = text_column
-        self.generated_stories = generated_stories
         self.synthetic = synthetic
-        # The corpus is resolved now so a typo fails before any model is built; nothing is read yet.
+        # The corpus is resolved now so a typo fails before any model is built; nothing is read yet. Its settings
+        # (tokenizer, column, validation share, processes) are the preparation's alone.
+        cache_dir = Path(cache_dir)
         self._preparation = (
             None
             if synthetic
             else CorpusPreparation(
                 corpus,
-                resolve_corpus(corpus, self.cache_dir, generated_stories, seed),
-                self.cache_dir,
+                resolve_corpus(corpus, cache_dir, generated_stories, seed),
+                cache_dir,
                 text_column,
                 val_fraction,
                 num_proc,

@@ -8,14 +8,10 @@ windows of a corpus do (``lm_systems.data.windows``).
 
 from __future__ import annotations
 
-import math
-from typing import Iterator
-
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
-from lm_systems.data.windows import BatchStream, worker_shard
+from lm_systems.data.windows import BatchStream, ValidationBatches
 
 TRAINING, VALIDATION = 0, 1
 """The last number of a generator's key: training and validation batches never share a key."""
@@ -48,9 +44,8 @@ class SyntheticTrainStream(BatchStream):
         return synthetic_batch(key, self.batch_size, self.window, self.vocab_size)
 
 
-class SyntheticValidation(IterableDataset):
-    """This rank's share of ``windows`` fixed random validation windows (every ``world_size``-th), in batches; the
-    same windows on any number of ranks."""
+class SyntheticValidation(ValidationBatches):
+    """This rank's share of ``windows`` fixed random validation windows; the same windows on any number of ranks."""
 
     def __init__(
         self, vocab_size: int, context_length: int, batch_size: int, windows: int, seed: int, rank: int, world_size: int
@@ -58,13 +53,7 @@ class SyntheticValidation(IterableDataset):
         every = synthetic_batch(
             [seed, windows, 0, 0, VALIDATION], windows - windows % world_size, context_length + 1, vocab_size
         )
-        self.windows = every[rank::world_size]
-        self.batch_size = batch_size
+        super().__init__(every, batch_size, rank, world_size)
 
-    def __len__(self) -> int:
-        return math.ceil(len(self.windows) / self.batch_size)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        worker, num_workers = worker_shard()
-        for batch_index in range(worker, len(self), num_workers):
-            yield self.windows[batch_index * self.batch_size : (batch_index + 1) * self.batch_size]
+    def batch(self, source: object, rows: torch.Tensor) -> torch.Tensor:
+        return rows

@@ -125,8 +125,35 @@ class TrainWindowStream(BatchStream):
         return checked_ids(gather_windows(tokens, starts, self.window), self.vocab_size, self.tokens_path)
 
 
-class ValidationWindows(IterableDataset):
-    """This rank's share (every ``world_size``-th) of a fixed set of validation windows, in batches."""
+class ValidationBatches(IterableDataset):
+    """This rank's share (every ``world_size``-th) of a fixed set of validation rows, in batches: the batch of rows
+    ``rows`` made by ``batch(source, rows)``, ``source`` being what ``open`` gives in the process that iterates (as
+    ``BatchStream``'s)."""
+
+    def __init__(self, rows: np.ndarray | torch.Tensor, batch_size: int, rank: int, world_size: int) -> None:
+        self.rows = rows[rank::world_size]
+        self.batch_size = batch_size
+
+    def open(self) -> object:
+        return None
+
+    def batch(self, source: object, rows: np.ndarray | torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        """Batches on this rank: without a length, Lightning's validation bar read "0/?". (Lightning warns about
+        any iterable dataset with one, for workers that would each yield everything; these share the batches out.)"""
+        return math.ceil(len(self.rows) / self.batch_size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        source = self.open()
+        worker, num_workers = worker_shard()
+        for batch_index in range(worker, len(self), num_workers):
+            yield self.batch(source, self.rows[batch_index * self.batch_size : (batch_index + 1) * self.batch_size])
+
+
+class ValidationWindows(ValidationBatches):
+    """This rank's share of a fixed set of validation windows of a token file, given by their ``starts``."""
 
     def __init__(
         self,
@@ -138,20 +165,13 @@ class ValidationWindows(IterableDataset):
         world_size: int,
         vocab_size: int | None = None,
     ) -> None:
+        super().__init__(starts, batch_size, rank, world_size)
         self.tokens_path = str(tokens_path)
         self.vocab_size = vocab_size
-        self.starts = starts[rank::world_size]
         self.window = context_length + 1
-        self.batch_size = batch_size
 
-    def __len__(self) -> int:
-        """Batches on this rank: without a length, Lightning's validation bar read "0/?". (Lightning warns about
-        any iterable dataset with one, for workers that would each yield everything; these share the batches out.)"""
-        return math.ceil(len(self.starts) / self.batch_size)
+    def open(self) -> np.ndarray:
+        return np.load(self.tokens_path, mmap_mode="r")
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        tokens = np.load(self.tokens_path, mmap_mode="r")
-        worker, num_workers = worker_shard()
-        for batch_index in range(worker, len(self), num_workers):
-            starts = self.starts[batch_index * self.batch_size : (batch_index + 1) * self.batch_size]
-            yield checked_ids(gather_windows(tokens, starts, self.window), self.vocab_size, self.tokens_path)
+    def batch(self, tokens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+        return checked_ids(gather_windows(tokens, starts, self.window), self.vocab_size, self.tokens_path)

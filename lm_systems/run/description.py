@@ -23,11 +23,12 @@ def describe_model(
     FLOPs of one batch of the data's windows (ThroughputMonitor and MFUMonitor read them) and the parameters, counted
     whole (a sharding strategy has not split them yet)."""
     (batch_size, context), config = data_shape, model.config
-    flops_per_batch = model.flops_per_token(context) * batch_size * context if batch_size and context else None
+    flops_per_token = model.flops_per_token(context)
+    flops_per_batch = flops_per_token * batch_size * context if batch_size and context else None
     parameters = model.num_parameters()
     rank_zero_info(
         f"TransformerLM {size}: {parameters / 1e6:.2f}M parameters at vocab {config.vocab_size}, "
-        f"{model.flops_per_token(context) / 1e6:.1f} MFLOP/token (training), "
+        f"{flops_per_token / 1e6:.1f} MFLOP/token (training), "
         f"attention={describe_attention(config.attention, compile)}; training on {_devices(trainer)} in "
         f"{trainer.precision}"
     )
