@@ -118,11 +118,21 @@ class UnitSchedule:
             queue_end_of_backward(self._end_of_backward)
             self._end_of_backward_queued = True
         unit.gather()
+        self._finish_reductions_outweighing(unit)
         order = self._forward_order
         position = len(order) - 1 - order[::-1].index(unit) if unit in order else 0
         for ahead in order[max(0, position - self.prefetch) : position][::-1]:  # the nearest first
             if ahead in self._awaiting_backward:
                 ahead.start_gather()
+
+    def _finish_reductions_outweighing(self, unit: ShardedUnit) -> None:
+        """A reduce-scatter stays in flight through the next unit's backward, to hide it, as long as its gradients
+        weigh no more than that unit's own: the in-flight bytes at most double what the unit's backward holds. A
+        heavier one is finished first (on NCCL the device waits for it, not the host): the LM head's, whose gradient
+        the fused loss made in forward and whose reduce-scatter would otherwise sit through the last block's
+        backward, where the step's memory peaks."""
+        while self._reductions and self._reductions[0].unit.grad_numel > unit.grad_numel:
+            self._finish_oldest_reduction()
 
     def _post_backward(self, unit: ShardedUnit) -> None:
         if unit not in self._awaiting_backward:
@@ -131,8 +141,7 @@ class UnitSchedule:
         if unit.trainable and self._syncing():
             self._reductions.append(unit.start_reduce_scatter())
             while len(self._reductions) > 1:  # keep one reduce-scatter in flight: bounded memory, still overlapped
-                pending = self._reductions.popleft()
-                pending.unit.finish_reduce_scatter(pending)
+                self._finish_oldest_reduction()
         unit.free()
 
     def _end_of_backward(self) -> None:
@@ -147,5 +156,8 @@ class UnitSchedule:
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters still in flight; their means land in the shards' ``.grad``."""
         while self._reductions:
-            pending = self._reductions.popleft()
-            pending.unit.finish_reduce_scatter(pending)
+            self._finish_oldest_reduction()
+
+    def _finish_oldest_reduction(self) -> None:
+        pending = self._reductions.popleft()
+        pending.unit.finish_reduce_scatter(pending)

@@ -120,7 +120,8 @@ def reference_training(initial: ShardToy, dtype: torch.dtype | None) -> tuple[Sh
 
 
 class CollectiveLog:
-    """Records, in order, every all-gather and reduce-scatter launched and every unit forward completed."""
+    """Records, in order, every all-gather and reduce-scatter launched, every reduce-scatter finished (waited for)
+    and every unit forward completed."""
 
     def __init__(self, model: FullyShardedDataParallel) -> None:
         self.events: list[str] = []
@@ -137,6 +138,14 @@ class CollectiveLog:
                 return _original(*args, **kwargs)
 
             setattr(sharded_unit, name, launch)
+        finish = sharded_unit.ShardedUnit.finish_reduce_scatter
+
+        def logged_finish(unit, pending):
+            self.events.append("finish_reduce_scatter")
+            return finish(unit, pending)
+
+        self._finish = finish
+        sharded_unit.ShardedUnit.finish_reduce_scatter = logged_finish
         self._hooks = [
             self._model.module.get_submodule(unit).register_forward_hook(
                 lambda m, a, o, _unit=unit: self.events.append(f"forward {_unit}")
@@ -148,6 +157,7 @@ class CollectiveLog:
     def __exit__(self, *exc) -> None:
         for name, original in self._originals.items():
             setattr(sharded_unit, name, original)
+        sharded_unit.ShardedUnit.finish_reduce_scatter = self._finish
         for hook in self._hooks:
             hook.remove()
 

@@ -96,6 +96,20 @@ def test_no_sync_communicates_no_gradients_and_the_sync_reduce_scatters_during_b
             assert backward.index("reduce_scatter") < len(backward) - 1 - backward[::-1].index("all_gather")
 
 
+def test_a_reduce_scatter_heavier_than_the_next_unit_is_finished_before_that_units_backward(runs):
+    """Backward runs head, block.down, block.up: the head's gradients (518 values) outweigh block.down's (338), so
+    its reduce-scatter is finished before block.down's backward and not held through it; block.down's stays in
+    flight through block.up's backward (364 values) and is finished only once block.up's is launched."""
+    for rank in range(2):
+        _, sync = runs[rank]["fp32"]["logs"][1]
+        backward = sync[sync.index("forward head") :]
+        launches = [i for i, event in enumerate(backward) if event == "reduce_scatter"]
+        head, down, up = launches[:3]
+        assert "finish_reduce_scatter" in backward[head:down], backward
+        assert "finish_reduce_scatter" not in backward[down:up], backward
+        assert "finish_reduce_scatter" in backward[up : launches[3]], backward
+
+
 def test_the_next_units_gather_is_launched_before_this_unit_computes(runs):
     """Second step onwards, forward: the all-gather of unit k+1 is under way before unit k's forward ends."""
     _, sync = runs[0]["fp32"]["logs"][1]
