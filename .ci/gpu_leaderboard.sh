@@ -8,9 +8,10 @@
 #             per-block checkpoint, SDPA, the plain loss)
 #   keep_attention  zero3 eager, each block recomputed but its attention output kept (--model.activation_checkpointing
 #             keep_attention)
-#   compiled  zero3 with keep_attention and torch's stack compiled (the blocks, and the plain loss with its head),
-#             every visit from empty caches
-#   compiled_warm  compiled again, caches kept: zero3 with keep_attention and with blocks, and torch's stack
+#   compiled  the config's recipe (zero3, keep_attention, the feed-forward over chunks of 8,192 positions) and torch's
+#             stack compiled (the blocks, and the plain loss with its head), every visit from empty caches
+#   compiled_warm  compiled again, caches kept, two rounds: the config's recipe and torch's stack
+#   chunks    compiled, caches kept, two rounds: the config's recipe against the same without the feed-forward's chunks
 #
 #   .ci/gpu_leaderboard.sh test loss eager        # stages in order, each under its own time limit
 # Writes logs, junit xml and the benchmark tables under $OUT (./gpu_leaderboard_out without it).
@@ -22,11 +23,13 @@ record_versions
 
 TORCH_STACK="fsdp2+--model.fused_loss=false"  # torch's sharding and the plain loss; the same recompute and attention
 BASELINE=$TORCH_STACK
-step() {  # step NAME CONFIG LIMIT SETUPS...: the 8B step through train.py, one round
+KEEP_ATTENTION="zero3+--model.activation_checkpointing=keep_attention"
+RECIPE="$KEEP_ATTENTION+--model.ffn_chunk_tokens=8192"  # configs/leaderboard_8b.yaml's
+step() {  # step NAME CONFIG LIMIT SETUPS...: the 8B step through train.py, $ROUNDS rounds (1 without it)
     local name=$1 config=$2 limit=$3; shift 3
     run "$name" "$limit" python -m benchmarks.scaling --devices 2 --size 8b --configs "$config" --precision bf16-true \
-        --attention sdpa --setups "$@" ${BASELINE:+--baseline "$BASELINE"} --rounds 1 --warmup 2 --steps 2 --segments 2 \
-        --run-timeout "${RUN_TIMEOUT:-240}" --out-dir "$OUT/$name" --name leaderboard_8b ${COLD:+--cold-caches} \
+        --attention sdpa --setups "$@" ${BASELINE:+--baseline "$BASELINE"} --rounds "${ROUNDS:-1}" --warmup 2 \
+        --steps 2 --segments 2 --run-timeout "${RUN_TIMEOUT:-240}" --out-dir "$OUT/$name" --name leaderboard_8b ${COLD:+--cold-caches} \
         --train-py-flags "--data.synthetic true --data.vocab_size 151936 --data.batch_size 1 \
 --model.activation_checkpointing blocks"
 }
@@ -44,18 +47,19 @@ for stage in "${STAGES[@]}"; do
         step eager 32768x1:eager 560 zero3 "zero3+--model.attention=flash_triton" "$TORCH_STACK"
         ;;
     keep_attention)
-        BASELINE= step keep_attention 32768x1:eager 200 "zero3+--model.activation_checkpointing=keep_attention"
+        BASELINE= step keep_attention 32768x1:eager 200 "$KEEP_ATTENTION"
         ;;
     compiled)
-        COLD=1 RUN_TIMEOUT=240 step compiled 32768x1:compiled 500 \
-            "zero3+--model.activation_checkpointing=keep_attention" "$TORCH_STACK"
+        COLD=1 RUN_TIMEOUT=240 step compiled 32768x1:compiled 500 "$RECIPE" "$TORCH_STACK"
         ;;
     compiled_warm)
-        RUN_TIMEOUT=150 step compiled_warm 32768x1:compiled 330 \
-            "zero3+--model.activation_checkpointing=keep_attention" zero3 "$TORCH_STACK"
+        ROUNDS=2 RUN_TIMEOUT=150 step compiled_warm 32768x1:compiled 450 "$RECIPE" "$TORCH_STACK"
+        ;;
+    chunks)
+        BASELINE=$KEEP_ATTENTION ROUNDS=2 RUN_TIMEOUT=150 step chunks 32768x1:compiled 450 "$RECIPE" "$KEEP_ATTENTION"
         ;;
     *)
-        echo "unknown stage $stage (test, loss, eager, keep_attention, compiled, compiled_warm)"; exit 2
+        echo "unknown stage $stage (test, loss, eager, keep_attention, compiled, compiled_warm, chunks)"; exit 2
         ;;
     esac
 done

@@ -42,6 +42,8 @@ class LitLM(L.LightningModule):
             recompute costs most at long context); "selective" (matmul and attention outputs kept, the rest rerun).
         fused_loss: the LM head and cross-entropy over chunks of tokens, never holding every position's logits (at
             vocabulary V and N tokens the plain loss holds N × V float32 logits and their gradient).
+        ffn_chunk_tokens: the feed-forward over chunks of this many positions (0: all at once): at long context, fewer
+            of its d_ff-wide intermediates alive at once when backward recomputes them.
         lr: peak learning rate, reached after warm-up.
         min_lr_ratio: the cosine decays to lr × min_lr_ratio.
         warmup_steps: optimizer steps of linear warm-up.
@@ -75,6 +77,7 @@ class LitLM(L.LightningModule):
         attention: str = "auto",
         activation_checkpointing: Literal["none", "blocks", "keep_attention", "selective"] = "none",
         fused_loss: bool = True,
+        ffn_chunk_tokens: int = 0,
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 30,

@@ -82,6 +82,15 @@ def test_every_policy_with_the_fused_loss_trains_to_the_plain_paths_weights(poli
 
 
 @pytest.mark.slow
+def test_the_configs_recipe_with_the_feed_forward_over_chunks_trains_to_the_plain_paths_weights(plain, tmp_path):
+    """keep_attention, the fused loss and the feed-forward over chunks of 12 positions (32 a window: 12, 12, 8)."""
+    flags = ["--model.activation_checkpointing", "keep_attention", "--model.ffn_chunk_tokens", "12"]
+    trained = _final_weights(tmp_path, "chunked", *flags)
+    for name, weight in plain.items():
+        torch.testing.assert_close(trained[name], weight, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
 def test_synthetic_tokens_start_at_the_loss_of_knowing_nothing(tmp_path, capsys):
     main(
         [

@@ -102,3 +102,26 @@ def test_recomputing_inside_a_compiled_block_gives_the_same_gradients(policy):
 def test_an_unknown_policy_names_the_flag():
     with pytest.raises(ValueError, match="--model.activation_checkpointing"):
         ModelConfig(activation_checkpointing="everything", **CONFIG)
+
+
+@pytest.mark.parametrize("policy", ["none", "keep_attention"])
+def test_the_feed_forward_over_chunks_of_positions_gives_the_same_loss_and_gradients(policy):
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 24))  # 23 positions: chunks of 5, the last of 3
+    loss, grads = _loss_and_grads(_model("none"), tokens)
+    chunked_loss, chunked_grads = _loss_and_grads(_model(policy, ffn_chunk_tokens=5), tokens)
+    torch.testing.assert_close(chunked_loss, loss, rtol=1e-14, atol=1e-14)
+    for name, grad in grads.items():  # float64: the weights' gradients summed chunk by chunk
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_chunking_the_feed_forward_runs_its_matmuls_on_chunks():
+    chunked = _model("none", ffn_chunk_tokens=5).blocks[0].ffn
+    rows = []
+    chunked.w1.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2]))
+    chunked(torch.randn(2, 23, CONFIG["d_model"], dtype=torch.float64))
+    assert rows == [5, 5, 5, 5, 3]
+
+
+def test_a_negative_feed_forward_chunk_names_the_flag():
+    with pytest.raises(ValueError, match="--model.ffn_chunk_tokens"):
+        ModelConfig(ffn_chunk_tokens=-1, **CONFIG)

@@ -29,6 +29,9 @@ class ModelConfig:
     fused_loss: bool = True
     """The LM head and cross-entropy over chunks of tokens, never holding every position's logits
     (``lm_systems.model.loss``); False computes the logits, then the cross-entropy."""
+    ffn_chunk_tokens: int = 0
+    """The feed-forward over chunks of this many positions (0: all at once): fewer of its d_ff-wide intermediates
+    alive at once when backward recomputes them, where long contexts peak."""
 
     def __post_init__(self) -> None:
         if self.attention not in attention_names():  # checked here only: the model and the registry trust it
@@ -44,6 +47,8 @@ class ModelConfig:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--model.{name} must be positive, got {getattr(self, name)}")
+        if self.ffn_chunk_tokens < 0:
+            raise ValueError(f"--model.ffn_chunk_tokens must be 0 (no chunks) or positive, got {self.ffn_chunk_tokens}")
         if self.d_model % self.num_heads:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
         if self.d_head % 2:

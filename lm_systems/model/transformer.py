@@ -84,15 +84,21 @@ class CausalSelfAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) ⊙ w3 x)."""
+    """w2(silu(w1 x) ⊙ w3 x), position by position: over chunks of ``chunk_tokens`` positions where that is set."""
 
-    def __init__(self, d_model: int, d_ff: int) -> None:
+    def __init__(self, d_model: int, d_ff: int, chunk_tokens: int = 0) -> None:
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff, bias=False)
         self.w3 = nn.Linear(d_model, d_ff, bias=False)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.chunk_tokens = chunk_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.chunk_tokens or x.shape[-2] <= self.chunk_tokens:
+            return self._positions(x)
+        return torch.cat([self._positions(part) for part in x.split(self.chunk_tokens, dim=-2)], dim=-2)
+
+    def _positions(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -105,7 +111,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(config.d_model)
         self.attn = CausalSelfAttention(config, rope)
         self.ffn_norm = RMSNorm(config.d_model)
-        self.ffn = SwiGLU(config.d_model, config.d_ff)
+        self.ffn = SwiGLU(config.d_model, config.d_ff, config.ffn_chunk_tokens)
         self.recompute = config.activation_checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
