@@ -67,6 +67,17 @@ def _restore_environment():
     torch.set_num_threads(threads)  # a CPU run through train.main chooses its own
 
 
+@pytest.fixture
+def lightning_log(caplog, monkeypatch):
+    """``caplog``, also holding what Lightning's rank-zero logger says: Lightning's loggers stop propagating to the
+    root logger once Lightning is set up, so caplog alone sees them or not depending on the tests run before."""
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    monkeypatch.setattr(rank_zero_logger, "handlers", [*rank_zero_logger.handlers, caplog.handler])
+    monkeypatch.setattr(rank_zero_logger, "propagate", False)  # the handler above, not the root's too: no doubles
+    caplog.set_level(logging.INFO, logger=rank_zero_logger.name)
+    return caplog
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """The generated corpus, tokenizers and token caches: built by the first test that asks, reused by the others

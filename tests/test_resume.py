@@ -58,7 +58,7 @@ def first_run(tmp_path_factory, tiny_args) -> tuple[Path, list[str]]:
 
 
 @pytest.mark.slow  # first_run trains
-def test_typed_settings_take_effect_and_untyped_model_settings_continue(first_run, tmp_path, caplog):
+def test_typed_settings_take_effect_and_untyped_model_settings_continue(first_run, tmp_path, lightning_log):
     checkpoint, common = first_run
     resumed = main([*common, "--max_steps", "4", "--model.lr", "1e-3", "--ckpt_path", str(checkpoint)])
     hparams = resumed.model.hparams
@@ -72,7 +72,7 @@ def test_typed_settings_take_effect_and_untyped_model_settings_continue(first_ru
         assert group["initial_lr"] == 1e-3
         assert group["lr"] == pytest.approx(1e-3 * factor(scheduler.last_epoch))
     assert yaml.safe_load((Path(resumed.trainer.logger.log_dir) / "config.yaml").read_text())["model"]["lr"] == 1e-3
-    said = caplog.text
+    said = lightning_log.text
     assert "settings changed since it was saved:" in said
     for change in ("model.lr 0.5 → 0.001", "trainer.gradient_clip_val 0 → 1.0", "trainer.max_steps 2 → 4"):
         assert change in said, said

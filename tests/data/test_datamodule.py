@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from types import SimpleNamespace
 
 import lightning.pytorch as L
@@ -216,11 +215,9 @@ def test_two_processes_train_on_different_windows_and_split_validation(tmp_path)
     assert together == alone
 
 
-def test_a_tokenizer_short_of_the_asked_vocabulary_says_why(tmp_path, caplog, monkeypatch):
+def test_a_tokenizer_short_of_the_asked_vocabulary_says_why(tmp_path, lightning_log):
     """The run printed `vocab 1004` after asking for 10000, unexplained."""
-    lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # Lightning's loggers do not propagate
-    monkeypatch.setattr(lightning_info, "handlers", [*lightning_info.handlers, caplog.handler])
-    caplog.set_level(logging.INFO, logger=lightning_info.name)
+    caplog = lightning_log
     module = generated(tmp_path, vocab_size=10_000)
     assert module.vocab_size < 10_000
     said = [record.getMessage() for record in caplog.records]
