@@ -293,6 +293,7 @@ def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
         attention="naive",
         activation_checkpointing="blocks",
         fused_loss=False,
+        ffn_chunk_tokens=16,
     )
     assert set(values) == {f.name for f in fields(ModelConfig)}, "give the new ModelConfig field a value here"
     tiny = MODEL_SIZES["tiny"]
