@@ -22,6 +22,7 @@ OVERRIDES = {
     "attention": "auto",
     "activation_checkpointing": "none",
     "fused_loss": True,
+    "ffn_chunk_tokens": 0,
 }
 
 
