@@ -171,21 +171,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = (
             torch.empty_like(weight, dtype=_weight_grad_sum_dtype(weight.dtype, chunks)) if need_weight else None
         )
-        # A sum in another dtype than the matmul's takes each chunk's product in a buffer first.
-        product = torch.empty_like(w) if need_weight and w.dtype != grad_weight.dtype else None
         for start in range(0, tokens, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             logits = h[rows] @ w.T  # (n, V)
             losses[rows] = losses_and_grad(logits, targets[rows], tokens)  # logits now hold their gradient
             if need_hidden:
                 _matmul_into(grad_hidden[rows], logits, w, accumulate=False)
-            if need_weight and product is None:
+            if need_weight:
                 _matmul_into(grad_weight, logits.T, h[rows], accumulate=start > 0)
-            elif need_weight:
-                torch.mm(logits.T, h[rows], out=product)
-                grad_weight.add_(product) if start > 0 else grad_weight.copy_(product)
             del logits  # before the next chunk makes its own
-        del product
         ctx.gradients = (grad_hidden, grad_weight.to(weight.dtype) if need_weight else None)
         return losses.mean()
 
