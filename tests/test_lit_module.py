@@ -71,9 +71,9 @@ def test_loss_is_the_cross_entropy_of_each_token_against_the_next():
     batch = torch.tensor(
         [
             [0, 1, 2, 3, 0],  # 0→1, 1→2, 2→3 right; 3→0 wrong (guess 4)
-            [2, 2, 4, 0, 1],
+            [2, 2, 4, 0, 1],  # 2→2, 2→4 wrong (guess 3); 4→0, 0→1 right
         ]
-    )  # 2→2, 2→4 wrong (guess 3); 4→0, 0→1 right
+    )
     right = math.log(1 + (vocab - 1) * math.exp(-3))  # −log(e³ / (e³ + 4))
     wrong = math.log(math.exp(3) + vocab - 1)  # −log(1 / (e³ + 4))
     # rel 1e-4: the norms' eps (1e-5) scales the margin by 1/sqrt(1 + 1e-5), about 5e-6 of the loss.

@@ -8,6 +8,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lm_systems.data.printable import printable_decode
+from lm_systems.data.tokenizer import END_OF_TEXT
 from lm_systems.model.transformer import TransformerLM
 from lm_systems.training.nonfinite import divergence_advice
 
@@ -68,5 +69,5 @@ def sample_text(model: TransformerLM, tokenizer: Tokenizer, prompt: str, **kwarg
     """``sample`` on text: encode the prompt, decode prompt + continuation as printable text (bytes that are not,
     as ``\\xNN`` escapes: :mod:`lm_systems.data.printable`)."""
     prompt_ids = tokenizer.encode(prompt).ids
-    eot_id = tokenizer.token_to_id("<|endoftext|>")
+    eot_id = tokenizer.token_to_id(END_OF_TEXT)
     return printable_decode(tokenizer, prompt_ids + sample(model, prompt_ids, eot_id=eot_id, **kwargs))
