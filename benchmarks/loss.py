@@ -170,9 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "inputs held before the step (the gradients of hidden and weight are among the extra). vs_plain: the eager "
         "plain step's time over this one (above 1 is faster). chunk_tokens "
         f"{default_chunk_tokens(args.vocab)} is the library's default at this vocabulary (where it is no longer than "
-        "the "
-        "step). For scale, the float32 "
-        f"logits of the whole step, GiB by tokens: {logits_gib}.",
+        f"the step). For scale, the float32 logits of the whole step, GiB by tokens: {logits_gib}.",
         columns=COLUMNS,
         out_dir=args.out_dir,
     )

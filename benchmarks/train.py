@@ -60,7 +60,7 @@ from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from lm_systems.model.transformer import CausalSelfAttention, TransformerLM
 from lm_systems.profiling.hardware import peak_flops
 from lm_systems.training.optim import adamw_param_groups, make_adamw
-from lm_systems.training.schedule import warmup_cosine
+from lm_systems.training.schedule import warmup_cosine_schedule
 from train import main as train_py
 
 PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
@@ -162,9 +162,7 @@ class PlainLoop:
         if setup.compile:
             self.model.compile()  # the whole model, as one compiles a hand-written loop
         self.optimizer = make_adamw(adamw_param_groups(self.model, WEIGHT_DECAY), LR, BETAS)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: warmup_cosine(step, WARMUP_STEPS, total_steps, MIN_LR_RATIO)
-        )
+        self.scheduler = warmup_cosine_schedule(self.optimizer, WARMUP_STEPS, total_steps, MIN_LR_RATIO)
         dtype = PRECISIONS[setup.precision]
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None

@@ -13,34 +13,13 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from random_windows import RandomWindowsLM
 
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
-from lm_systems.lit_module import LitLM
 from lm_systems.training.nonfinite import NonFiniteWeightsError
 
 ADVICE = ("--model.lr", "--trainer.gradient_clip_val", "bf16-mixed")
-
-
-class TinyLM(LitLM):
-    """A one-layer LitLM on random token windows, which it brings itself (no datamodule, no tokenizer)."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            size="tiny",
-            vocab_size=32,
-            context_length=8,
-            d_model=16,
-            num_layers=1,
-            num_heads=2,
-            d_ff=32,
-            sample_prompt="",
-        )
-
-    def train_dataloader(self):
-        tokens = torch.randint(0, 32, (256, 9), generator=torch.Generator().manual_seed(0))  # (B, T + 1) windows
-        return DataLoader(tokens, batch_size=4)
 
 
 class AtStep(L.Callback):
@@ -73,7 +52,7 @@ def fit(tmp_path: Path, max_steps: int, interval: int, callbacks: tuple[L.Callba
         callbacks=[*callbacks, StepCheckpoint(interval, dirpath=str(tmp_path)), CrashCheckpoint()],
         plugins=[SafeCheckpointIO()],
     )
-    trainer.fit(TinyLM())
+    trainer.fit(RandomWindowsLM())
     return trainer
 
 

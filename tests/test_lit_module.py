@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import lightning.pytorch as L
 import pytest
 import torch
+from random_windows import RandomWindowsLM
 from schedule_reference import expected_lr_factor
 from torch.utils.data import DataLoader
 
@@ -321,27 +322,6 @@ def test_tokens_per_step_counts_every_device_and_micro_batch(devices, accumulate
     )
     hyperparameters = run_hyperparameters(lit.hparams, lit.config, lit.trainer, (batch_size, context), None)
     assert hyperparameters["tokens_per_step"] == devices * accumulate * batch_size * context
-
-
-class RandomWindowsLM(LitLM):
-    """A one-layer LitLM on random token windows, which it brings itself (no datamodule, no tokenizer)."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(
-            size="tiny",
-            vocab_size=32,
-            context_length=8,
-            d_model=16,
-            num_layers=1,
-            num_heads=2,
-            d_ff=32,
-            sample_prompt="",
-            **kwargs,
-        )
-
-    def train_dataloader(self):
-        tokens = torch.randint(0, 32, (256, 9), generator=torch.Generator().manual_seed(0))  # (B, T + 1) windows
-        return DataLoader(tokens, batch_size=4)
 
 
 class StepRates(L.Callback):
