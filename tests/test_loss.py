@@ -78,9 +78,7 @@ def test_a_bf16_weight_gradient_summed_over_many_chunks_keeps_bf16_accuracy():
     "tokens, float32_sum",
     [
         (16 * MAX_16BIT_SUMS, False),
-        (16 * (MAX_16BIT_SUMS - 1) + 1, False),  # the last of the chunks holds one token
         (16 * MAX_16BIT_SUMS + 1, True),  # one chunk more, of one token
-        (16 * (MAX_16BIT_SUMS + 1), True),
     ],
 )
 def test_a_bf16_weight_gradient_is_summed_in_bf16_over_few_chunks_and_in_float32_over_more(tokens, float32_sum):
@@ -202,8 +200,8 @@ def test_without_gradients_only_the_loss_is_computed():
     _assert_close(loss, _reference(hidden, weight, targets)[0], FLOAT32[1])
 
 
-@pytest.mark.parametrize("chunk_kernel", ["eager", "triton"])
-@pytest.mark.parametrize("frozen", [True, False], ids=["inputs_without_grad", "under_no_grad"])
+# Either way to the gradient-free path: inputs that need no gradient, or grad mode off.
+@pytest.mark.parametrize("chunk_kernel, frozen", [("eager", False), ("triton", True)])
 def test_without_gradients_the_ragged_last_chunk_counts_in_the_mean(chunk_kernel, frozen):
     hidden, weight, targets = _inputs(37, 11, 23, torch.float32)  # chunks of 5, the last of 2
     if frozen:

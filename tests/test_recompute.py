@@ -158,9 +158,10 @@ class _AttentionForwards(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("policy, recomputed", [("none", 0), ("blocks", 1), ("keep_attention", 0)])
-def test_keep_attention_keeps_the_triton_forward_ops_output(policy, recomputed):
-    """A block of projections around the Triton attention (float32: the CPU interpreter's; tiny shapes)."""
+def test_keep_attention_keeps_the_triton_forward_ops_output():
+    """A block of projections around the Triton attention (float32: the CPU interpreter's; tiny shapes): backward
+    runs the attention forward op again under ``blocks``, not under ``keep_attention``, and both give the gradients
+    of keeping everything."""
     heads, positions, d_head = 2, 16, 16
     weights = torch.randn(4, heads * d_head, heads * d_head, requires_grad=True)
     x = torch.randn(1, positions, heads * d_head)
@@ -169,9 +170,10 @@ def test_keep_attention_keeps_the_triton_forward_ops_output(policy, recomputed):
         q, k, v = (F.linear(x, w).unflatten(-1, (heads, d_head)).transpose(1, 2) for w in weights[:3])  # (B, H, T, d)
         return x + F.linear(_TritonAttention.apply(q, k, v).transpose(1, 2).flatten(2), weights[3])
 
-    expected = torch.autograd.grad(block(x).square().sum(), weights)[0]
-    loss = run_with_recompute(block, x, policy).square().sum()
-    with _AttentionForwards() as backward:
-        (grad,) = torch.autograd.grad(loss, weights)
-    assert backward.calls == recomputed
-    torch.testing.assert_close(grad, expected, rtol=0, atol=0)  # the same kernels on the same values
+    (expected,) = torch.autograd.grad(block(x).square().sum(), weights)
+    for policy, recomputed in (("blocks", 1), ("keep_attention", 0)):
+        loss = run_with_recompute(block, x, policy).square().sum()
+        with _AttentionForwards() as backward:
+            (grad,) = torch.autograd.grad(loss, weights)
+        assert backward.calls == recomputed, policy
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0, msg=policy)  # the same kernels on the same values
