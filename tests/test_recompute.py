@@ -177,3 +177,31 @@ def test_keep_attention_keeps_the_triton_forward_ops_output():
             (grad,) = torch.autograd.grad(loss, weights)
         assert backward.calls == recomputed, policy
         torch.testing.assert_close(grad, expected, rtol=0, atol=0, msg=policy)  # the same kernels on the same values
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_compiled_blocks_keep_the_triton_attention_forward_under_keep_attention():
+    """Compiled, flash_triton's forward is the op the policy names (on a CPU Inductor cannot compile Triton's
+    interpreter): backward launches an attention forward kernel again under ``blocks``, never under
+    ``keep_attention``, and both give the gradients of keeping everything."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 25), device="cuda")
+    launched, grads = {}, {}
+    for policy in ("none", "blocks", "keep_attention"):
+        model = _model(policy, attention="flash_triton", d_model=64).to("cuda", torch.float32)  # d_head 16
+        model.compile_blocks()
+        _loss_and_grads(model, tokens)  # compiles
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as backward:
+            loss.backward()
+            torch.cuda.synchronize()
+        kernels = [event.key for event in backward.key_averages() if event.device_type.name == "CUDA"]
+        launched[policy] = sorted(name for name in kernels if "fwd" in name.lower())
+        grads[policy] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert launched["blocks"] and not launched["keep_attention"] and not launched["none"], launched
+    for policy in ("blocks", "keep_attention"):  # float32 (TF32 off by default): reassociated sums only
+        for name, grad in grads["none"].items():
+            torch.testing.assert_close(grads[policy][name], grad, rtol=1e-4, atol=1e-5, msg=f"{policy} {name}")
