@@ -61,7 +61,7 @@ def test_the_datamodule_serves_synthetic_ids_without_a_corpus(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing cached: no corpus, tokenizer or token files
 
 
-def synthetic_data(tmp_path, rank: int, world_size: int, **kwargs) -> LMDataModule:
+def synthetic_data(tmp_path, rank: int, world_size: int) -> LMDataModule:
     """A synthetic LMDataModule as the trainer of ``rank`` of ``world_size`` holds it."""
     data = LMDataModule(synthetic=True, vocab_size=50, context_length=15, batch_size=2, seed=3, cache_dir=str(tmp_path))
     data.trainer = SimpleNamespace(global_rank=rank, world_size=world_size)
