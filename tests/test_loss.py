@@ -74,9 +74,15 @@ def test_a_bf16_weight_gradient_summed_over_many_chunks_keeps_bf16_accuracy():
     _assert_close(weight.grad, _reference(hidden, weight, targets)[2], BFLOAT16[1])
 
 
-@pytest.mark.parametrize("chunks, float32_sum", [(MAX_16BIT_SUMS, False), (MAX_16BIT_SUMS + 1, True)])
-def test_a_bf16_weight_gradient_is_summed_in_bf16_over_few_chunks_and_in_float32_over_more(chunks, float32_sum):
-    tokens, d_model, vocab = 16 * chunks, 8, 24
+@pytest.mark.parametrize(
+    "tokens, float32_sum",
+    [
+        (16 * MAX_16BIT_SUMS, False),
+        (16 * MAX_16BIT_SUMS + 1, True),  # one chunk more, of one token
+    ],
+)
+def test_a_bf16_weight_gradient_is_summed_in_bf16_over_few_chunks_and_in_float32_over_more(tokens, float32_sum):
+    d_model, vocab = 8, 24
     hidden, weight, targets = _inputs(tokens, d_model, vocab, torch.bfloat16)
     with _AllocationSpy() as spy:
         fused_linear_cross_entropy(hidden, weight, targets, chunk_tokens=16).backward()
@@ -192,6 +198,46 @@ def test_without_gradients_only_the_loss_is_computed():
     assert spy.largest_bytes() == CHUNK * VOCAB * 4  # float32
     assert not loss.requires_grad
     _assert_close(loss, _reference(hidden, weight, targets)[0], FLOAT32[1])
+
+
+# Either way to the gradient-free path: inputs that need no gradient, or grad mode off.
+@pytest.mark.parametrize("chunk_kernel, frozen", [("eager", False), ("triton", True)])
+def test_without_gradients_the_ragged_last_chunk_counts_in_the_mean(chunk_kernel, frozen):
+    hidden, weight, targets = _inputs(37, 11, 23, torch.float32)  # chunks of 5, the last of 2
+    if frozen:
+        hidden.requires_grad_(False), weight.requires_grad_(False)
+    with torch.set_grad_enabled(frozen):
+        loss = fused_linear_cross_entropy(hidden, weight, targets, 5, chunk_kernel=chunk_kernel)
+    assert not loss.requires_grad
+    _assert_close(loss, _reference(hidden, weight, targets)[0], FLOAT32[1])
+
+
+def _logits_of_ten_thousand(tokens: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Integer-valued hidden (tokens, 2) and weight (vocab, 2) whose products, logits within ±1e4 with both ends
+    reached, are exact in float32: the reference sees the very logits the kernels do."""
+    hidden = torch.randint(-100, 101, (tokens, 2)).float()
+    weight = torch.randint(-50, 51, (vocab, 2)).float()
+    hidden[:2] = torch.tensor([[100.0, 100.0], [-100.0, -100.0]])
+    weight[0] = 50.0
+    return hidden.requires_grad_(), weight.requires_grad_(), torch.randint(0, vocab, (tokens,))
+
+
+# float32's spacing at 1e4 is 2^-10: the logsumexp each row subtracts is rounded by up to 2^-11, which the softmax
+# carries as a relative error of about 5e-4 into the gradients. The losses, of order 1e4, are exact but for it.
+# Compiling the two chunk functions for these shapes takes ~10 s on two busy cores: compiled is in the full suite.
+@pytest.mark.parametrize("chunk_kernel", ["eager", pytest.param("compiled", marks=pytest.mark.slow), "triton"])
+def test_logits_of_ten_thousand_give_finite_exact_losses_and_gradients(chunk_kernel):
+    hidden, weight, targets = _logits_of_ten_thousand(21, 19)
+    assert (hidden @ weight.T).abs().max() == 1e4
+    loss = fused_linear_cross_entropy(hidden, weight, targets, 4, chunk_kernel=chunk_kernel)  # ragged: 5 × 4 + 1
+    loss.backward()
+    ref_loss, ref_hidden, ref_weight = _reference(hidden, weight, targets)
+    _assert_close(loss, ref_loss, FLOAT32[1])
+    _assert_close(hidden.grad, ref_hidden, 2e-3)
+    _assert_close(weight.grad, ref_weight, 2e-3)
+    with torch.no_grad():
+        unused = fused_linear_cross_entropy(hidden, weight, targets, 4, chunk_kernel=chunk_kernel)
+    _assert_close(unused, ref_loss, FLOAT32[1])
 
 
 def test_under_autocast_the_matmuls_run_in_its_dtype_and_the_gradients_keep_the_inputs():

@@ -1,4 +1,5 @@
-"""Activation checkpointing: every policy gives the gradients of keeping everything, and keeps less for backward."""
+"""Activation checkpointing: every policy gives the gradients of keeping everything, and keeps less for backward;
+``keep_attention`` keeps the output of the Triton attention kernel's forward op, as of SDPA's, and runs it only once."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lm_systems.model.config import ModelConfig
-from lm_systems.model.recompute import RECOMPUTE_POLICIES
+from lm_systems.model.recompute import RECOMPUTE_POLICIES, run_with_recompute
 from lm_systems.model.transformer import TransformerLM
 
 CONFIG = dict(vocab_size=61, context_length=24, d_model=32, num_layers=3, num_heads=4, d_ff=72, attention="sdpa")
@@ -125,3 +127,81 @@ def test_chunking_the_feed_forward_runs_its_matmuls_on_chunks():
 def test_a_negative_feed_forward_chunk_names_the_flag():
     with pytest.raises(ValueError, match="--model.ffn_chunk_tokens"):
         ModelConfig(ffn_chunk_tokens=-1, **CONFIG)
+
+
+class _TritonAttention(torch.autograd.Function):
+    """Causal attention through the Triton kernels' ops, as FlashAttention2Triton calls them inside torch.compile
+    (which cannot trace Triton's interpreter on a CPU): the forward op's output and logsumexp saved for the
+    backward op."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, lse = torch.ops.lm_systems.flash_attention_forward(q, k, v, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return torch.ops.lm_systems.flash_attention_backward(*ctx.saved_tensors, grad_out, True)
+
+
+class _AttentionForwards(TorchDispatchMode):
+    """Counts the calls of the Triton attention forward op that run (not those a checkpoint answers from what it
+    kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.lm_systems.flash_attention_forward.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_keep_attention_keeps_the_triton_forward_ops_output():
+    """A block of projections around the Triton attention (float32: the CPU interpreter's; tiny shapes): backward
+    runs the attention forward op again under ``blocks``, not under ``keep_attention``, and both give the gradients
+    of keeping everything."""
+    heads, positions, d_head = 2, 16, 16
+    weights = torch.randn(4, heads * d_head, heads * d_head, requires_grad=True)
+    x = torch.randn(1, positions, heads * d_head)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (F.linear(x, w).unflatten(-1, (heads, d_head)).transpose(1, 2) for w in weights[:3])  # (B, H, T, d)
+        return x + F.linear(_TritonAttention.apply(q, k, v).transpose(1, 2).flatten(2), weights[3])
+
+    (expected,) = torch.autograd.grad(block(x).square().sum(), weights)
+    for policy, recomputed in (("blocks", 1), ("keep_attention", 0)):
+        loss = run_with_recompute(block, x, policy).square().sum()
+        with _AttentionForwards() as backward:
+            (grad,) = torch.autograd.grad(loss, weights)
+        assert backward.calls == recomputed, policy
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0, msg=policy)  # the same kernels on the same values
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_compiled_blocks_keep_the_triton_attention_forward_under_keep_attention():
+    """Compiled, flash_triton's forward is the op the policy names (on a CPU Inductor cannot compile Triton's
+    interpreter): backward launches an attention forward kernel again under ``blocks``, never under
+    ``keep_attention``, and both give the gradients of keeping everything."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 25), device="cuda")
+    launched, grads = {}, {}
+    for policy in ("none", "blocks", "keep_attention"):
+        model = _model(policy, attention="flash_triton", d_model=64).to("cuda", torch.float32)  # d_head 16
+        model.compile_blocks()
+        _loss_and_grads(model, tokens)  # compiles
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as backward:
+            loss.backward()
+            torch.cuda.synchronize()
+        kernels = [event.key for event in backward.key_averages() if event.device_type.name == "CUDA"]
+        launched[policy] = sorted(name for name in kernels if "fwd" in name.lower())
+        grads[policy] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert launched["blocks"] and not launched["keep_attention"] and not launched["none"], launched
+    for policy in ("blocks", "keep_attention"):  # float32 (TF32 off by default): reassociated sums only
+        for name, grad in grads["none"].items():
+            torch.testing.assert_close(grads[policy][name], grad, rtol=1e-4, atol=1e-5, msg=f"{policy} {name}")

@@ -7,11 +7,14 @@ step and validation on (bucketed_ddp also compiled in runs of blocks that share 
 - for bucketed_ddp, zero1 and zero3, a run stopped at a checkpoint and resumed from it ends bit for bit where the
   uninterrupted run ended: weights, optimizer state, schedule and data position, on the same batches, with the same
   validation losses;
+- the summary rank 0 prints counts every rank's tokens (the records' and a count from the batch shape) and its
+  speed and MFU agree with them and with the model's FLOPs counted from its shape;
 - SIGTERM to the run stops both processes, exit status 143.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from run_record import load_records, replay
 from sigterm_run import sigterm_after_first_checkpoint
 
 STEPS, STOP_AT, ACCUMULATE = 6, 3, 2
+PEAK_FLOPS = 1e6  # far below what a CPU reaches: the MFU prints (to 0.1%) in the thousands of %, 5 digits
 # Below every step's gradient norm in these runs (0.6-0.7 measured), so every step clips: a strategy whose
 # wrapper skipped or misplaced clipping would end elsewhere. The replay asserts that each step clipped.
 CLIP = "0.25"
@@ -42,6 +46,9 @@ RUN = [
     str(STOP_AT),
     "--trainer.logger",
     "false",
+    # A peak for the CPU, so the summary prints an MFU to check (train.py's own MFUMonitor, replaced, knows none).
+    "--trainer.callbacks+=callbacks.MFUMonitor",
+    f"--trainer.callbacks.peak_flops_per_s={PEAK_FLOPS}",
 ]
 
 
@@ -123,6 +130,42 @@ def test_two_processes_train_like_one_process_on_their_batches(strategy, uninter
             )
     assert [g["lr"] for g in optimizer_state["param_groups"]] == pytest.approx(
         [g["lr"] for g in expected["param_groups"]]
+    )
+
+
+def summary_of(log: str) -> dict[str, str]:
+    """The key → value lines of the summary a run ends with (``RunSummary``: the key padded to 11 characters)."""
+    lines = log[log.rindex("\nfinished ") :].strip().splitlines()
+    return {line[:11].strip(): line[12:] for line in lines}
+
+
+def flops_per_token(config: dict) -> float:
+    """Training FLOPs a token, counted by hand from the model's shape: 6 × the matmul weights (attention's q, k, v
+    and output, the SwiGLU's three, the LM head) and causal attention's 6 · layers · T · d_model."""
+    d, layers, context = config["d_model"], config["num_layers"], config["context_length"]
+    matmul_weights = layers * (4 * d * d + 3 * d * config["d_ff"]) + config["vocab_size"] * d
+    return 6.0 * matmul_weights + 6.0 * layers * context * d
+
+
+@pytest.mark.parametrize("strategy", RESUMED[:1], scope="module")
+def test_the_summary_counts_every_ranks_tokens_and_the_mfu_each_devices(strategy, uninterrupted):
+    """Tokens and tokens/s are the whole run's, both ranks' together; MFU is a device's FLOPs over its own peak."""
+    summary, records = summary_of((uninterrupted / "train_py.log").read_text()), load_records(uninterrupted)
+    config = records[0]["config"]
+    batch_tokens = 2 * config["context_length"]  # --data.batch_size 2 (tests/conftest.py's TINY)
+    step_tokens = batch_tokens * ACCUMULATE * 2  # micro-batches a step, two ranks
+    trained = sum(batch[:, 1:].numel() for record in records for batch in record["batches"])
+    assert trained == STEPS * step_tokens
+    assert summary["tokens"] == f"{trained:,} ({step_tokens:,} a step)"
+    speed = re.fullmatch(
+        r"([\d,]+) tokens/s, ([\d.e-]+) s a step \(after step 1, validation left out\)", summary["speed"]
+    )
+    tokens_per_s, seconds_a_step = float(speed[1].replace(",", "")), float(speed[2])
+    assert tokens_per_s * seconds_a_step == pytest.approx(step_tokens, rel=0.01)  # s a step: 3 digits
+    mfu = re.fullmatch(r"([\d.,]+)% of 0 TFLOP/s per device", summary["MFU"])
+    device_flops_a_step = flops_per_token(config) * batch_tokens * ACCUMULATE
+    assert float(mfu[1].replace(",", "")) / 100 == pytest.approx(
+        device_flops_a_step / seconds_a_step / PEAK_FLOPS, rel=0.01
     )
 
 

@@ -2,6 +2,8 @@
 check against the four-GPU rows it did not use stays within the errors docs/scaling_model.md states, and its
 memory and bucket plan follow the strategies' own rules."""
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks import scaling_model as model
@@ -51,3 +53,55 @@ def test_the_predictions_print_and_one_nic_a_host_is_never_faster(capsys):
         assert narrow["step_ms"] >= rail["step_ms"]
     model.main()
     assert "| 8b | `zero3` | 512 |" in capsys.readouterr().out
+
+
+def _xl_parameters_by_hand() -> int:
+    """xl (d_model 1600, 48 layers, d_ff 6400, vocab 10,000): embedding and untied head, and per layer attention's
+    four d × d matrices, the SwiGLU's three d × d_ff and two norms; the final norm."""
+    d, layers, d_ff, vocab = 1600, 48, 6400, 10_000
+    return 2 * vocab * d + layers * (4 * d * d + 3 * d * d_ff + 2 * d) + d
+
+
+def test_zero3_memory_is_a_shard_of_every_state_two_gathered_bf16_blocks_and_the_activations():
+    xl, params = model.shape("xl"), _xl_parameters_by_hand()
+    assert xl.params == params
+    activations = 55.8 * model.GIB - 16 * params  # one GPU's measured peak less its fp32 weights, grads, moments
+    for n in (4, 64):
+        by_hand = 16 * params / n + 2 * 2 * params / 48 + activations  # the computing and the prefetched block
+        assert model.memory_gib(xl, "zero3", n) == pytest.approx(by_hand / model.GIB, rel=1e-12)
+
+
+def _communication_only(params: int, layers: int, buckets_mb: tuple[float, ...] = ()) -> model.Shape:
+    """A model whose forward and backward take no time (its one-GPU step is its AdamW alone): no compute hides any
+    collective, and the slowdown fitted to zero3's compute multiplies nothing."""
+    step = model.ADAMW_MS_PER_PARAM * params
+    return model.Shape("comm", params, layers, step, 0.0, {model.ONE_HOST_BUCKET_MB: buckets_mb})
+
+
+@pytest.mark.parametrize(
+    "n, latency_ms, bus_gbps",
+    [
+        (4, 0.12, 356.0),  # one host: NVLink's four-rank bus bandwidth
+        (16, 0.12 + 2 * 0.01, 8 * 50 * 0.8),  # two hosts: one tree level more; the 8 NICs at 80% of 400 Gb/s each
+    ],
+    ids=["one_host", "two_hosts"],
+)
+def test_zero3_exposes_every_gather_and_reduce_scatter_that_no_compute_hides(n, latency_ms, bus_gbps):
+    params, layers = 48_000_000, 12
+    unit_bf16_bytes = 2 * params / layers
+    gather_ms = latency_ms + (n - 1) / n * unit_bf16_bytes / (bus_gbps * 1e9) * 1e3
+    # The first unit's gather and the last's reduce-scatter, then in each unit a gather in forward, a gather and a
+    # reduce-scatter in backward; on top, the 1/n of AdamW each rank steps.
+    by_hand = (2 + 3 * layers) * gather_ms + model.ADAMW_MS_PER_PARAM * params / n
+    assert model.step_ms(_communication_only(params, layers), "zero3", n) == pytest.approx(by_hand, rel=1e-9)
+
+
+# Backward that hides none of the first two buckets' all-reduces (1.12 ms together), all but 0.12 ms of them, or all.
+@pytest.mark.parametrize("backward_hides_ms", [0.0, 1.0, 1e6])
+def test_gradient_sync_exposes_the_last_bucket_and_what_the_others_outlast_backward_by(backward_hides_ms):
+    buckets_mb = (100.0, 100.0, 50.0)
+    shape = _communication_only(params=1, layers=1, buckets_mb=buckets_mb)
+    shape = replace(shape, step_1gpu_ms=shape.step_1gpu_ms + backward_hides_ms / model.BACKWARD_SHARE)
+    all_reduce_ms = [0.12 + 2 * 3 / 4 * mb * 2**20 / 356e9 * 1e3 for mb in buckets_mb]  # four ranks, one host
+    by_hand = all_reduce_ms[-1] + max(0.0, sum(all_reduce_ms[:-1]) - backward_hides_ms)
+    assert model.gradient_sync_exposed_ms(shape, 4, True, model.RAIL) == pytest.approx(by_hand, rel=1e-9)

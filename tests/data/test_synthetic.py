@@ -1,9 +1,11 @@
 """Synthetic tokens: ids in range, deterministic by seed, different across ranks and batches, resumable, and the same
-validation windows on any number of ranks; LMDataModule serves them with no corpus or tokenizer."""
+validation windows on any number of ranks; LMDataModule serves them with no corpus or tokenizer, each rank its own
+stream, and a resumed one from where its checkpoint left it."""
 
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import torch
 
@@ -57,3 +59,31 @@ def test_the_datamodule_serves_synthetic_ids_without_a_corpus(tmp_path):
     assert batch.shape == (2, 32) and int(batch.max()) < 151_936
     assert len(list(data.val_dataloader())) == data.val_batches
     assert not any(tmp_path.iterdir())  # nothing cached: no corpus, tokenizer or token files
+
+
+def synthetic_data(tmp_path, rank: int, world_size: int) -> LMDataModule:
+    """A synthetic LMDataModule as the trainer of ``rank`` of ``world_size`` holds it."""
+    data = LMDataModule(synthetic=True, vocab_size=50, context_length=15, batch_size=2, seed=3, cache_dir=str(tmp_path))
+    data.trainer = SimpleNamespace(global_rank=rank, world_size=world_size)
+    return data
+
+
+def test_the_datamodule_serves_each_rank_its_own_stream_and_a_share_of_one_validation_set(tmp_path):
+    trained, validated = [], []
+    for rank in (0, 1):
+        data = synthetic_data(tmp_path, rank, 2)
+        trained.append(take(data.train_dataloader(), 3))
+        validated += [row for batch in data.val_dataloader() for row in batch.tolist()]
+        expected = take(SyntheticTrainStream(50, 15, 2, seed=3, rank=rank, world_size=2), 3)
+        assert all(torch.equal(a, b) for a, b in zip(trained[-1], expected, strict=True)), rank
+    assert not any(torch.equal(a, b) for a, b in zip(*trained))
+    alone = [row for batch in synthetic_data(tmp_path, 0, 1).val_dataloader() for row in batch.tolist()]
+    assert sorted(validated) == sorted(alone) and len(alone) == 16 * 2  # val_batches 16 × batch 2
+
+
+def test_a_resumed_datamodule_continues_the_synthetic_stream_where_its_checkpoint_left_it(tmp_path):
+    data = synthetic_data(tmp_path, 1, 2)
+    data.load_state_dict({"train_batches_consumed": 5})  # what a checkpoint after 5 batches holds
+    whole = take(SyntheticTrainStream(50, 15, 2, seed=3, rank=1, world_size=2), 8)
+    resumed = take(data.train_dataloader(), 3)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, whole[5:], strict=True))

@@ -321,3 +321,48 @@ def test_a_replicating_container_offers_torchs_global_norm(single_rank_group):
     torch.testing.assert_close(model.grad_norm(), expected)
     torch.testing.assert_close(model.clip_grad_norm_(1.0), expected)
     torch.testing.assert_close(model.grad_norm(), torch.tensor(1.0), atol=1e-5, rtol=0)
+
+
+class Chain(torch.nn.Module):
+    """Linear layers one after another: each a unit, its backward done before the one below it starts."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().sum()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_unit_is_freed_as_soon_as_its_backward_is_done(single_rank_group, prefetch):
+    """When a layer's backward starts, the layers above it, whose backward is done, hold no gathered memory: only
+    this one and the ``prefetch`` below it do (held to the end of backward, every unit's would add up)."""
+    model = FullyShardedDataParallel(Chain(4), prefetch=prefetch)
+    layers = model.module.layers
+    full_weights = {}  # each layer's weight as it computes with it: the gathered parameter
+
+    def gathered() -> list[int]:
+        return [index for index, weight in sorted(full_weights.items()) if weight.untyped_storage().nbytes()]
+
+    held = []  # (layer, the layers holding gathered memory) as each layer's backward starts
+
+    def on_backward_start(index: int):
+        def hook(module, args, out) -> None:
+            out.register_hook(lambda grad: held.append((index, gathered())))
+
+        return hook
+
+    for index, layer in enumerate(layers):  # hooks after the container's: they see what it has done
+        layer.register_forward_pre_hook(
+            lambda module, args, index=index: full_weights.__setitem__(index, module.weight)
+        )
+        layer.register_forward_hook(on_backward_start(index))
+    loss = model(torch.randn(3, 16))
+    assert len(full_weights) == len(layers) and gathered() == []  # each freed after its forward
+    loss.backward()
+    expected = [(index, list(range(max(0, index - prefetch), index + 1))) for index in reversed(range(len(layers)))]
+    assert held == expected
+    assert gathered() == []
