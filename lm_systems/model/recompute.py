@@ -27,6 +27,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lm_systems.compat.torch import sdpa_kernel_ops
 
 RECOMPUTE_POLICIES = ("none", "blocks", "keep_attention", "selective")
+RECOMPUTE_CHOICES = (*RECOMPUTE_POLICIES, "auto")
+"""What ``--model.activation_checkpointing`` takes: a policy for every block, or ``auto``, a policy per block chosen
+for a memory budget (``lm_systems.model.memory_budget``)."""
 
 _aten = torch.ops.aten
 _MATMUL_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
