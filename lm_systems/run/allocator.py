@@ -1,0 +1,35 @@
+"""The CUDA caching allocator's settings for a run: expandable segments, unless the user chose settings of their own.
+
+A long-context step frees and allocates tensors of many sizes; the allocator's fixed-size segments then hold memory
+that no request fits (fragmentation: 11.8 GiB reserved but unallocated when the 8B step ran out of memory with
+``selective`` on one H200, issue 58). Expandable segments grow one mapping instead, the setting torchtitan and
+Megatron run with. The allocator reads it once, when CUDA first allocates: ``train.py`` sets it before anything
+touches CUDA, and the ranks it launches inherit it with the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from typing import Optional
+
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""Where torch reads the allocator's settings (the second is the newer, device-neutral name)."""
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def allocator_setting(environ: MutableMapping[str, str], cuda_build: bool) -> Optional[tuple[str, str]]:
+    """The variable to set and its value for a run of this torch build in ``environ``: none where torch has no CUDA
+    or the user set the allocator's settings already."""
+    if not cuda_build or any(name in environ for name in ALLOCATOR_VARIABLES):
+        return None
+    return ALLOCATOR_VARIABLES[0], EXPANDABLE_SEGMENTS
+
+
+def use_expandable_segments(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Set ``allocator_setting`` in ``environ`` (the process's own by default); call before CUDA is used."""
+    import torch  # imported here: train.py's --help is answered without torch
+
+    setting = allocator_setting(environ, cuda_build=torch.version.cuda is not None)
+    if setting is not None:
+        environ[setting[0]] = setting[1]
