@@ -23,6 +23,7 @@ from lm_systems.training.compile_policy import CompileChoice, compile_model
 from lm_systems.training.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteWatch, divergence_advice
 from lm_systems.training.optim import adamw_param_groups, make_adamw
 from lm_systems.training.out_of_memory import RunTerms, named_out_of_memory, strategy_name
+from lm_systems.training.recompute_budget import recompute_plan
 from lm_systems.training.schedule import check_schedule, warmup_cosine_schedule
 
 
@@ -127,7 +128,9 @@ class LitLM(L.LightningModule):
         """Build the TransformerLM (``model``) and compile it, once (the Trainer calls this after ``setup``, in the
         strategy's tensor_init_context; load_from_checkpoint too). With data: count flops_per_batch, log the size."""
         if self.model is None:
-            self.model = TransformerLM(self.config)
+            batch_size = (self._shape.data_shape or (None, None))[0]
+            plan = recompute_plan(self.config, batch_size, attached_trainer(self))  # for auto: one line says it
+            self.model = TransformerLM(self.config, plan.block_recompute if plan is not None else None)
             if self.hparams.compile:
                 compile_model(self.model, self.hparams.compile, attached_trainer(self), self)
         if self._shape.data_shape is not None:

@@ -69,6 +69,22 @@ def test_recomputing_gives_the_gradients_of_keeping_everything(policy):
         torch.testing.assert_close(recomputed_grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
+MIXES = [("blocks", "keep_attention", "selective"), ("none", "selective", "blocks"), ("keep_attention", "none", "none")]
+
+
+@pytest.mark.parametrize("mix", MIXES, ids="-".join)
+def test_a_policy_per_block_gives_the_gradients_of_keeping_everything(mix):
+    """What --model.activation_checkpointing auto builds: each block under its own policy."""
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 17))
+    loss, grads = _loss_and_grads(_model("none"), tokens)
+    torch.manual_seed(0)
+    mixed = TransformerLM(ModelConfig(activation_checkpointing="auto", **CONFIG), block_recompute=mix).double()
+    mixed_loss, mixed_grads = _loss_and_grads(mixed, tokens)
+    torch.testing.assert_close(mixed_loss, loss, rtol=0, atol=0)
+    for name, grad in grads.items():  # float64: the same operations again, up to the order of additions
+        torch.testing.assert_close(mixed_grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_each_policy_keeps_less_for_backward():
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 25))
     kept = {policy: _kept_bytes(_model(policy), tokens) for policy in RECOMPUTE_POLICIES}

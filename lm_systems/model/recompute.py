@@ -30,6 +30,8 @@ RECOMPUTE_POLICIES = ("none", "blocks", "keep_attention", "selective")
 RECOMPUTE_CHOICES = (*RECOMPUTE_POLICIES, "auto")
 """What ``--model.activation_checkpointing`` takes: a policy for every block, or ``auto``, a policy per block chosen
 for a memory budget (``lm_systems.model.memory_budget``)."""
+AUTO_WITHOUT_PLAN = "blocks"
+"""What ``auto`` keeps in every block where no plan was made (no card to take a fractional budget of, no trainer)."""
 
 _aten = torch.ops.aten
 _MATMUL_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}

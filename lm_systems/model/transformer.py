@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lm_systems.attention import get_attention
 from lm_systems.model.config import ModelConfig
 from lm_systems.model.loss import fused_linear_cross_entropy
-from lm_systems.model.recompute import RECOMPUTE_POLICIES, run_with_recompute
+from lm_systems.model.recompute import AUTO_WITHOUT_PLAN, RECOMPUTE_POLICIES, run_with_recompute
 from lm_systems.profiling.nvtx import nvtx_range
 
 
@@ -150,13 +150,13 @@ class TransformerLM(nn.Module):
 
     ``block_recompute``: each block's activation checkpointing policy (one of RECOMPUTE_POLICIES, a block each), as
     ``lm_systems.model.memory_budget.plan_recompute`` chooses them for ``activation_checkpointing`` auto; by default
-    the config's policy for every block, and for auto, whose plan needs the card and the batch, "blocks"."""
+    the config's policy for every block, and for auto, whose plan needs the card and the batch, AUTO_WITHOUT_PLAN."""
 
     def __init__(self, config: ModelConfig, block_recompute: Optional[Sequence[str]] = None) -> None:
         super().__init__()
         self.config = config
         if block_recompute is None:
-            policy = "blocks" if config.activation_checkpointing == "auto" else config.activation_checkpointing
+            policy = AUTO_WITHOUT_PLAN if config.activation_checkpointing == "auto" else config.activation_checkpointing
             block_recompute = [policy] * config.num_layers
         if len(block_recompute) != config.num_layers or not set(block_recompute) <= set(RECOMPUTE_POLICIES):
             raise ValueError(

@@ -1,0 +1,129 @@
+"""Activation checkpointing for a memory budget (``--model.activation_checkpointing auto``): per block, the policy that
+keeps the most for backward that fits.
+
+What each policy keeps of a block is counted from the model's shape (``kept_bytes_per_token``). The budget less what
+a GPU holds besides (``MemoryNeeds``: parameters, gradients and optimizer state, the transient of one block's backward
+and of the loss) is what the blocks may keep; ``plan_recompute`` gives every block the policy of the highest level all
+of them fit at, and as many of the last blocks as the rest allows the level above. Levels in the order they keep
+more, each buying less recompute a byte than the one before it: ``blocks`` (the input), ``keep_attention`` (+ the
+attention's output: its recompute costs most at long context), ``selective`` (+ every matmul's output), ``none``
+(+ the elementwise intermediates, the cheapest to recompute). The later blocks keep more: backward reaches them first,
+while every block's kept activations are still held.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from lm_systems.model.config import ModelConfig
+from lm_systems.model.loss import CHUNK_LOGITS_BYTES
+
+GIB = 2**30
+LEVELS = ("blocks", "keep_attention", "selective", "none")
+"""The policies ``auto`` chooses among, in the order they keep more."""
+
+
+def kept_bytes_per_token(config: ModelConfig, policy: str, activation_bytes: int) -> int:
+    """Bytes a block keeps for backward per position under ``policy``, its activations ``activation_bytes`` wide.
+
+    Counted as eager PyTorch saves them, with SDPA's softmax statistics (float32; float64 for a float64 model). Exact
+    where parameters and activations share one dtype (tests/test_memory_budget.py measures them); under autocast the
+    residual stream is float32 and ``none`` keeps the casts of its inputs too, so there it is an estimate.
+    """
+    D, F, e = config.d_model, config.d_ff, activation_bytes
+    stats = config.num_heads * (8 if e == 8 else 4)
+    if policy == "blocks":  # the block's input
+        return D * e
+    if policy == "keep_attention":  # + the attention's output and statistics
+        return 2 * D * e + stats
+    if policy == "selective":  # + the outputs of qkv (3D), out (D), w1 and w3 (F each), w2 (D)
+        return (7 * D + 2 * F) * e + stats
+    if policy == "none":
+        # Each RMSNorm: its float32 input and statistic, its normalised output and that times the weight; attention:
+        # qkv, the rotated q and k, its output and statistics, the output's (B, T, D) copy; the SwiGLU: w1's and w3's
+        # outputs, the SiLU and the product.
+        norms = 2 * (4 * D + 4 + 2 * D * e)
+        return norms + (3 + 2 + 1 + 1) * D * e + stats + 4 * F * e
+    raise ValueError(f"unknown recompute policy {policy!r}: one of {LEVELS}")
+
+
+def block_parameter_count(config: ModelConfig) -> int:
+    """The parameters of one block: four attention and three feed-forward matrices, two norms."""
+    D, F = config.d_model, config.d_ff
+    return 4 * D * D + 3 * D * F + 2 * D
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """The parameters of a TransformerLM of ``config``: embedding and LM head (untied), the blocks, the final norm."""
+    return 2 * config.vocab_size * config.d_model + config.num_layers * block_parameter_count(config) + config.d_model
+
+
+def transient_bytes(config: ModelConfig, batch_size: int, activation_bytes: int, residual_bytes: int) -> int:
+    """What is alive for a moment on top of the kept activations: the larger of one block's backward (its recompute,
+    every activation of the block, and their gradients; the feed-forward's over its chunks of positions) and the loss
+    (the fused loss's chunk of float32 logits and its gradient; the plain loss's logits of every position, float32 and
+    in the activations' dtype, and their gradient). An estimate: which of these a compiled graph keeps alive at once
+    is the compiler's choice."""
+    T, D, F, e = config.context_length, config.d_model, config.d_ff, activation_bytes
+    tokens = batch_size * T
+    ffn_tokens = batch_size * min(T, config.ffn_chunk_tokens or T)
+    block = tokens * (kept_bytes_per_token(config, "none", e) - 4 * F * e) + ffn_tokens * 7 * F * e
+    block += 2 * tokens * D * residual_bytes  # the gradient of the residual stream in and out
+    if config.fused_loss:
+        loss = 2 * min(CHUNK_LOGITS_BYTES, tokens * config.vocab_size * 4)
+    else:
+        loss = tokens * config.vocab_size * (4 + 4 + e)
+    return max(block, loss)
+
+
+@dataclass(frozen=True)
+class MemoryNeeds:
+    """What one GPU holds besides the blocks' kept activations, in bytes."""
+
+    state: int  # its parameters, gradients and optimizer state (its shard of them where they are sharded)
+    transient: int  # the largest momentary need on top of everything kept (``transient_bytes``)
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """Each block's policy and what it predicts a GPU's peak to be."""
+
+    block_recompute: tuple[str, ...]
+    kept: int  # the blocks' kept activations, bytes
+    needs: MemoryNeeds
+    budget: int
+
+    @property
+    def predicted_peak(self) -> int:
+        return self.needs.state + self.kept + self.needs.transient
+
+    def describe(self) -> str:
+        """One line: how many blocks keep what, and the predicted peak against the budget."""
+        counts = Counter(self.block_recompute)
+        blocks = ", ".join(f"{counts[level]} {level}" for level in LEVELS if counts[level])
+        over = " OVER the budget: even blocks' recompute keeps too much;" if self.predicted_peak > self.budget else ""
+        state, kept, transient = (value / GIB for value in (self.needs.state, self.kept, self.needs.transient))
+        return (
+            f"activation checkpointing auto: blocks {blocks} (the later blocks keep more); predicted peak "
+            f"{self.predicted_peak / GIB:.1f} GiB of a budget of {self.budget / GIB:.1f};{over} state {state:.1f}, "
+            f"kept activations {kept:.1f}, transient {transient:.1f}"
+        )
+
+
+def plan_recompute(
+    config: ModelConfig, batch_size: int, activation_bytes: int, budget: int, needs: MemoryNeeds
+) -> RecomputePlan:
+    """Per block, the most that fits ``budget`` bytes beside ``needs`` (see the module's doc); every block ``blocks``
+    where not even that fits (the plan says the predicted peak is over the budget)."""
+    tokens = batch_size * config.context_length
+    per_block = [tokens * kept_bytes_per_token(config, level, activation_bytes) for level in LEVELS]
+    layers = config.num_layers
+    room = budget - needs.state - needs.transient
+    level = max((i for i, bytes_ in enumerate(per_block) if layers * bytes_ <= room), default=0)
+    more = 0
+    if level + 1 < len(LEVELS):
+        more = min(layers, max(0, room - layers * per_block[level]) // (per_block[level + 1] - per_block[level]))
+    block_recompute = (LEVELS[level],) * (layers - more) + (LEVELS[min(level + 1, len(LEVELS) - 1)],) * more
+    kept = sum(per_block[LEVELS.index(policy)] for policy in block_recompute)
+    return RecomputePlan(block_recompute, kept, needs, budget)
