@@ -1,10 +1,11 @@
 """Activation checkpointing for a memory budget (``--model.activation_checkpointing auto``): per block, the policy that
 keeps the most for backward that fits.
 
-What each policy keeps of a block is counted from the model's shape (``kept_bytes_per_token``). The budget less what
-a GPU holds besides (``MemoryNeeds``: parameters, gradients and optimizer state, the transient of one block's backward
-and of the loss) is what the blocks may keep; ``plan_recompute`` gives every block the policy of the highest level all
-of them fit at, and as many of the last blocks as the rest allows the level above. Levels in the order they keep
+What each policy keeps of a block is counted from the model's shape (``kept_bytes_per_token``). What a GPU holds besides
+(``MemoryNeeds``: parameters and optimizer state throughout, gradients as backward makes them while it frees the kept
+activations, the transient of one block's backward or of the loss) gives the step's peak for any choice;
+``plan_recompute`` gives every block the policy of the highest level all of them fit the budget at, and as many of the
+last blocks as still fit the level above. Levels in the order they keep
 more, each buying less recompute a byte than the one before it: ``blocks`` (the input), ``keep_attention`` (+ the
 attention's output: its recompute costs most at long context), ``selective`` (+ every matmul's output), ``none``
 (+ the elementwise intermediates, the cheapest to recompute). The later blocks keep more: backward reaches them first,
@@ -13,7 +14,9 @@ while every block's kept activations are still held.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lm_systems.model.config import ModelConfig
@@ -62,9 +65,9 @@ def parameter_count(config: ModelConfig) -> int:
 def transient_bytes(config: ModelConfig, batch_size: int, activation_bytes: int, residual_bytes: int) -> int:
     """What is alive for a moment on top of the kept activations: the larger of one block's backward (its recompute,
     every activation of the block, and their gradients; the feed-forward's over its chunks of positions) and the loss
-    (the fused loss's chunk of float32 logits and its gradient; the plain loss's logits of every position, float32 and
-    in the activations' dtype, and their gradient). An estimate: which of these a compiled graph keeps alive at once
-    is the compiler's choice."""
+    (the fused loss's chunk of float32 logits and its gradient; the plain loss's logits of every position and their
+    gradient in the activations' dtype, the float32 softmax fused into the compiled kernels). An estimate: which of
+    these a compiled graph keeps alive at once is the compiler's choice."""
     T, D, F, e = config.context_length, config.d_model, config.d_ff, activation_bytes
     tokens = batch_size * T
     ffn_tokens = batch_size * min(T, config.ffn_chunk_tokens or T)
@@ -73,16 +76,27 @@ def transient_bytes(config: ModelConfig, batch_size: int, activation_bytes: int,
     if config.fused_loss:
         loss = 2 * min(CHUNK_LOGITS_BYTES, tokens * config.vocab_size * 4)
     else:
-        loss = tokens * config.vocab_size * (4 + 4 + e)
+        loss = 2 * tokens * config.vocab_size * e
     return max(block, loss)
 
 
 @dataclass(frozen=True)
 class MemoryNeeds:
-    """What one GPU holds besides the blocks' kept activations, in bytes."""
+    """What one GPU holds besides the blocks' kept activations, in bytes (its shard where a strategy shards them)."""
 
-    state: int  # its parameters, gradients and optimizer state (its shard of them where they are sharded)
-    transient: int  # the largest momentary need on top of everything kept (``transient_bytes``)
+    resident: int  # parameters and optimizer state, held throughout the step
+    block_gradient: int  # one block's gradients, made as its backward runs and held until the optimizer's step
+    end_gradient: int  # the LM head's gradients (made first in backward) and the embedding's (made last), each
+    transient: int  # the largest momentary need on top of all that (``transient_bytes``)
+
+    def peak(self, kept: Sequence[int]) -> int:
+        """The peak of a step whose blocks keep ``kept`` bytes each, in order. Backward frees the blocks' kept
+        activations from the last block down while their gradients arrive: before block i's backward, blocks 0 … i
+        still hold theirs and blocks i+1 … their gradients."""
+        layers, held = len(kept), list(itertools.accumulate(kept, initial=0))
+        during = max(held[i + 1] + (layers - 1 - i) * self.block_gradient for i in range(layers))
+        after = layers * self.block_gradient + self.end_gradient  # every gradient, the embedding's included
+        return self.resident + max(during + self.end_gradient + self.transient, after + self.end_gradient)
 
 
 @dataclass(frozen=True)
@@ -90,24 +104,27 @@ class RecomputePlan:
     """Each block's policy and what it predicts a GPU's peak to be."""
 
     block_recompute: tuple[str, ...]
-    kept: int  # the blocks' kept activations, bytes
+    kept: tuple[int, ...]  # each block's kept activations, bytes
     needs: MemoryNeeds
     budget: int
 
     @property
     def predicted_peak(self) -> int:
-        return self.needs.state + self.kept + self.needs.transient
+        return self.needs.peak(self.kept)
 
     def describe(self) -> str:
         """One line: how many blocks keep what, and the predicted peak against the budget."""
         counts = Counter(self.block_recompute)
         blocks = ", ".join(f"{counts[level]} {level}" for level in LEVELS if counts[level])
+        order = " (the later blocks keep more)" if len(counts) > 1 else ""
         over = " OVER the budget: even blocks' recompute keeps too much;" if self.predicted_peak > self.budget else ""
-        state, kept, transient = (value / GIB for value in (self.needs.state, self.kept, self.needs.transient))
+        resident, kept, transient = (
+            value / GIB for value in (self.needs.resident, sum(self.kept), self.needs.transient)
+        )
         return (
-            f"activation checkpointing auto: blocks {blocks} (the later blocks keep more); predicted peak "
-            f"{self.predicted_peak / GIB:.1f} GiB of a budget of {self.budget / GIB:.1f};{over} state {state:.1f}, "
-            f"kept activations {kept:.1f}, transient {transient:.1f}"
+            f"activation checkpointing auto, {len(self.block_recompute)} blocks: {blocks}{order}; predicted peak "
+            f"{self.predicted_peak / GIB:.1f} GiB of a budget of {self.budget / GIB:.1f};{over} parameters and "
+            f"optimizer state {resident:.1f}, kept activations {kept:.1f}, transient {transient:.1f}"
         )
 
 
@@ -119,11 +136,14 @@ def plan_recompute(
     tokens = batch_size * config.context_length
     per_block = [tokens * kept_bytes_per_token(config, level, activation_bytes) for level in LEVELS]
     layers = config.num_layers
-    room = budget - needs.state - needs.transient
-    level = max((i for i, bytes_ in enumerate(per_block) if layers * bytes_ <= room), default=0)
-    more = 0
-    if level + 1 < len(LEVELS):
-        more = min(layers, max(0, room - layers * per_block[level]) // (per_block[level + 1] - per_block[level]))
-    block_recompute = (LEVELS[level],) * (layers - more) + (LEVELS[min(level + 1, len(LEVELS) - 1)],) * more
-    kept = sum(per_block[LEVELS.index(policy)] for policy in block_recompute)
-    return RecomputePlan(block_recompute, kept, needs, budget)
+
+    def levels(level: int, upper: int) -> tuple[int, ...]:  # the last ``upper`` blocks one level up
+        return (level,) * (layers - upper) + (min(level + 1, len(LEVELS) - 1),) * upper
+
+    def fits(plan: tuple[int, ...]) -> bool:
+        return needs.peak([per_block[level] for level in plan]) <= budget
+
+    level = max((i for i in range(len(LEVELS)) if fits(levels(i, 0))), default=0)
+    upper = max((n for n in range(layers + 1) if level + 1 < len(LEVELS) and fits(levels(level, n))), default=0)
+    chosen = levels(level, upper)
+    return RecomputePlan(tuple(LEVELS[i] for i in chosen), tuple(per_block[i] for i in chosen), needs, budget)

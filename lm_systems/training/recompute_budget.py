@@ -4,7 +4,7 @@ activations under this run's precision and strategy, and the per-block plan (:mo
 The state a GPU holds: each parameter, its gradient and AdamW's two moments, all in the parameters' dtype (float32
 under ``*-mixed``). zero3 and fsdp2 shard all four over the GPUs (and gather two blocks' parameters at a time in the
 activations' dtype); zero1 shards the moments; other strategies over several GPUs keep a second copy of the
-gradients in their communication buckets.
+gradients in their communication buckets (counted as resident: an upper bound).
 """
 
 from __future__ import annotations
@@ -42,16 +42,17 @@ def precision_bytes(precision: str) -> tuple[int, int]:
 def memory_needs(config: ModelConfig, batch_size: int, precision: str, strategy: str, world_size: int) -> MemoryNeeds:
     """What one GPU of this run holds besides the blocks' kept activations (the module's doc says how)."""
     parameter, activation = precision_bytes(precision)
-    count = parameter_count(config)
-    weights = grads = count * parameter
-    moments = 2 * count * parameter
-    if strategy in SHARDING_ALL and world_size > 1:
-        state = (weights + grads + moments) // world_size + 2 * block_parameter_count(config) * activation
-    elif strategy in SHARDING_MOMENTS and world_size > 1:
-        state = weights + grads + moments // world_size
-    else:
-        state = weights + grads + moments + (grads if world_size > 1 else 0)
-    return MemoryNeeds(state=state, transient=transient_bytes(config, batch_size, activation, parameter))
+    count, block = parameter_count(config), block_parameter_count(config)
+    end = config.vocab_size * config.d_model * parameter  # the LM head's gradient; the embedding's the same
+    transient = transient_bytes(config, batch_size, activation, parameter)
+    shards = world_size if world_size > 1 else 1
+    if strategy in SHARDING_ALL:
+        # 3: the parameters and two moments, a shard each; two blocks' parameters gathered at a time.
+        resident = 3 * count * parameter // shards + 2 * block * activation
+        return MemoryNeeds(resident, block * parameter // shards, end // shards, transient)
+    moments = 2 * count * parameter // (shards if strategy in SHARDING_MOMENTS else 1)
+    buckets = count * parameter if shards > 1 and strategy not in SHARDING_MOMENTS else 0  # a second gradient copy
+    return MemoryNeeds(count * parameter + moments + buckets, block * parameter, end, transient)
 
 
 def budget_bytes(memory_budget: float, card_bytes: Optional[int]) -> Optional[int]:
