@@ -43,6 +43,7 @@ class LitLM(L.LightningModule):
         activation_checkpointing: what backward recomputes, not kept: "none"; "blocks" (each block's input kept, the
             block rerun: least memory, one more forward); "keep_attention" (as blocks, attention outputs kept: their
             recompute costs most at long context); "selective" (matmul and attention outputs kept, the rest rerun);
+            "keep_projections" (as selective but w2's output, which backward never needs: the same work, less kept);
             "auto" (per block, the most that fits memory_budget: the later blocks keep more; one line at start says
             how many blocks got each policy and the predicted peak).
         memory_budget: with activation_checkpointing auto, the memory one GPU may use: a fraction of the card when at

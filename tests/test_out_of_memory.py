@@ -94,7 +94,7 @@ def test_out_of_memory_is_one_line_saying_where_and_what_to_change(place, monkey
     line, _ = one_line_exit_1([*tiny_args, *QUIET, *validation, "--max_steps", "2"], capsys)
     assert line.startswith(f"error: CUDA out of memory {PLACES[place]} at step 0: no CUDA memory statistics on cpu;")
     assert "change one of: a smaller --data.batch_size (now 2) or --model.context_length (now 16)" in line, line
-    assert "--model.activation_checkpointing selective (now none)" in line, line
+    assert "--model.activation_checkpointing keep_projections (now none)" in line, line
     assert "--debug true" in line and "allocator's advice" not in line, line
     assert ("no checkpoint of weights" in line) == (place == "optimizer"), line
 
@@ -112,7 +112,7 @@ def test_a_crash_checkpoint_only_of_whole_weights_names_the_changes(
     if crash_saved:
         resume = [text for text in caplog.messages if "resume with --ckpt_path" in text]  # Lightning's info line
         assert resume and "crash.ckpt, change one of: a smaller --data.batch_size (now 2)" in resume[0], caplog.text
-        assert "--model.activation_checkpointing selective (now none)" in resume[0]
+        assert "--model.activation_checkpointing keep_projections (now none)" in resume[0]
 
 
 def test_debug_keeps_the_traceback(monkeypatch, tiny_args):

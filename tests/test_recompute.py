@@ -88,7 +88,7 @@ def test_a_policy_per_block_gives_the_gradients_of_keeping_everything(mix):
 def test_each_policy_keeps_less_for_backward():
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 25))
     kept = {policy: _kept_bytes(_model(policy), tokens) for policy in RECOMPUTE_POLICIES}
-    assert kept["blocks"] < kept["keep_attention"] < kept["selective"] < kept["none"]
+    assert kept["blocks"] < kept["keep_attention"] < kept["keep_projections"] < kept["selective"] < kept["none"]
     # Each block more: "blocks" keeps its input alone, one (B, T, D) float64; the others keep far more.
     deeper = {
         policy: _kept_bytes(_model(policy, num_layers=CONFIG["num_layers"] + 2), tokens)
@@ -99,6 +99,8 @@ def test_each_policy_keeps_less_for_backward():
     # "keep_attention" adds the attention's output (B, H, T, d_head) and its softmax statistics (B, H, T), float64.
     heads = CONFIG["num_heads"]
     assert per_block["keep_attention"] - per_block["blocks"] == 2 * 24 * (CONFIG["d_model"] + heads) * 8
+    # "keep_projections" drops w2's output, (B, T, D).
+    assert per_block["selective"] - per_block["keep_projections"] == 2 * 24 * CONFIG["d_model"] * 8
     # "selective" drops at least the SwiGLU's elementwise outputs (silu and the product, (B, T, d_ff) each).
     assert per_block["none"] - per_block["selective"] >= 2 * 2 * 24 * CONFIG["d_ff"] * 8
 

@@ -7,8 +7,9 @@ activations, the transient of one block's backward or of the loss) gives the ste
 ``plan_recompute`` gives every block the policy of the highest level all of them fit the budget at, and as many of the
 last blocks as still fit the level above. Levels in the order they keep
 more, each buying less recompute a byte than the one before it: ``blocks`` (the input), ``keep_attention`` (+ the
-attention's output: its recompute costs most at long context), ``selective`` (+ every matmul's output), ``none``
-(+ the elementwise intermediates, the cheapest to recompute). The later blocks keep more: backward reaches them first,
+attention's output: its recompute costs most at long context), ``keep_projections`` (+ the outputs of qkv, out, w1
+and w3: d_model FLOPs of recompute a byte each), ``none`` (+ the elementwise intermediates, the cheapest to
+recompute). The later blocks keep more: backward reaches them first,
 while every block's kept activations are still held.
 """
 
@@ -21,10 +22,12 @@ from dataclasses import dataclass
 
 from lm_systems.model.config import ModelConfig
 from lm_systems.model.loss import CHUNK_LOGITS_BYTES
+from lm_systems.model.recompute import RECOMPUTE_POLICIES
 
 GIB = 2**30
-LEVELS = ("blocks", "keep_attention", "selective", "none")
-"""The policies ``auto`` chooses among, in the order they keep more."""
+LEVELS = ("blocks", "keep_attention", "keep_projections", "none")
+"""The policies ``auto`` chooses among, in the order they keep more (not ``selective``: it keeps w2's output too, which
+saves no recompute)."""
 
 
 def kept_bytes_per_token(config: ModelConfig, policy: str, activation_bytes: int) -> int:
@@ -40,7 +43,9 @@ def kept_bytes_per_token(config: ModelConfig, policy: str, activation_bytes: int
         return D * e
     if policy == "keep_attention":  # + the attention's output and statistics
         return 2 * D * e + stats
-    if policy == "selective":  # + the outputs of qkv (3D), out (D), w1 and w3 (F each), w2 (D)
+    if policy == "keep_projections":  # + the outputs of qkv (3D), out (D), w1 and w3 (F each)
+        return (6 * D + 2 * F) * e + stats
+    if policy == "selective":  # + w2's (D)
         return (7 * D + 2 * F) * e + stats
     if policy == "none":
         # Each RMSNorm: its float32 input and statistic, its normalised output and that times the weight; attention:
@@ -48,7 +53,7 @@ def kept_bytes_per_token(config: ModelConfig, policy: str, activation_bytes: int
         # outputs, the SiLU and the product.
         norms = 2 * (4 * D + 4 + 2 * D * e)
         return norms + (3 + 2 + 1 + 1) * D * e + stats + 4 * F * e
-    raise ValueError(f"unknown recompute policy {policy!r}: one of {LEVELS}")
+    raise ValueError(f"unknown recompute policy {policy!r}: one of {RECOMPUTE_POLICIES}")
 
 
 def block_parameter_count(config: ModelConfig) -> int:

@@ -20,7 +20,13 @@ import torch
 from lm_systems.errors import RunError
 
 GIB = 2**30
-MORE_FRUGAL = {"none": "selective", "selective": "keep_attention", "keep_attention": "blocks", "auto": "blocks"}
+MORE_FRUGAL = {
+    "none": "keep_projections",
+    "selective": "keep_projections",
+    "keep_projections": "keep_attention",
+    "keep_attention": "blocks",
+    "auto": "blocks",
+}
 """Each ``--model.activation_checkpointing`` policy's next one that keeps less for backward (and recomputes more)."""
 SHARDING_STRATEGIES = ("zero3", "fsdp2")
 """Strategies that shard parameters, gradients and optimizer state over the GPUs."""
