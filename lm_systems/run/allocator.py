@@ -1,10 +1,9 @@
 """The CUDA caching allocator's settings for a run: expandable segments, unless the user chose settings of their own.
 
 A long-context step frees and allocates tensors of many sizes; the allocator's fixed-size segments then hold memory
-that no request fits (fragmentation: 11.8 GiB reserved but unallocated when the 8B step ran out of memory with
-``selective`` on one H200, issue 58). Expandable segments grow one mapping instead, the setting torchtitan and
-Megatron run with. The allocator reads it once, when CUDA first allocates: ``train.py`` sets it before anything
-touches CUDA, and the ranks it launches inherit it with the environment.
+that no request fits (fragmentation: docs/memory_budget.md has what it cost the 8B step). Expandable segments grow one
+mapping instead, the setting torchtitan runs with. The allocator reads it once, when CUDA first allocates: ``train.py``
+sets it before anything touches CUDA, and the ranks it launches inherit it with the environment.
 """
 
 from __future__ import annotations
