@@ -25,10 +25,11 @@ def allocator_setting(environ: MutableMapping[str, str], cuda_build: bool) -> Op
     return ALLOCATOR_VARIABLES[0], EXPANDABLE_SEGMENTS
 
 
-def use_expandable_segments(environ: MutableMapping[str, str] = os.environ) -> None:
+def use_expandable_segments(environ: Optional[MutableMapping[str, str]] = None) -> None:
     """Set ``allocator_setting`` in ``environ`` (the process's own by default); call before CUDA is used."""
     import torch  # imported here: train.py's --help is answered without torch
 
+    environ = os.environ if environ is None else environ
     setting = allocator_setting(environ, cuda_build=torch.version.cuda is not None)
     if setting is not None:
         environ[setting[0]] = setting[1]
