@@ -14,7 +14,11 @@ from lm_systems.run.help_cache import run_with_help_cache
 
 
 def main(args: Optional[list[str]] = None, run: bool = True) -> Any:
-    """``lm_systems.cli.main`` with this project's strategies registered, its callbacks and its progress bar."""
+    """``lm_systems.cli.main`` with this project's strategies registered, its callbacks and its progress bar; the CUDA
+    allocator's expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise (:mod:`lm_systems.run.allocator`)."""
+    from lm_systems.run.allocator import use_expandable_segments
+
+    use_expandable_segments()  # before anything touches CUDA; the ranks a launcher starts inherit it
     # Lightning: imported only when the help is not already cached.
     from callbacks import every_run_callbacks
     from callbacks.progress import steps_progress_bar

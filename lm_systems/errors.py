@@ -1,8 +1,8 @@
 """How a failed command ends: one line saying what to change and an exit status, not a traceback.
 
 ``InputError`` is input the user can fix (its message names the flag or key, the value and what to change);
-``RunError`` a run that stopped for a reason its message explains (non-finite training). A file that cannot be
-written (disk full, a read-only or missing folder) is named with the free space of its filesystem.
+``RunError`` a run that stopped for a reason its message explains (non-finite training, CUDA out of memory). A file
+that cannot be written (disk full, a read-only or missing folder) is named with the free space of its filesystem.
 ``reported_errors()`` turns these into one ``error: ...`` line on stderr; any other exception is a bug and keeps
 its traceback. ``--debug`` (or ``LM_SYSTEMS_DEBUG=1``) keeps the traceback of every error.
 
@@ -43,6 +43,10 @@ class InputError(ValueError):
 
 class RunError(RuntimeError):
     """A run stopped for a reason its message explains (and says what to change)."""
+
+    resume_advice: Optional[str] = None
+    """Set where the weights were whole when the run stopped, so that a crash checkpoint of them is worth writing:
+    what to change when resuming from it (the same settings would stop the same way)."""
 
 
 def debug_requested() -> bool:

@@ -11,6 +11,7 @@ from torchmetrics import MeanMetric
 
 from lm_systems.compat.lightning import attached_trainer, logs_this_step
 from lm_systems.model.config import ModelConfig
+from lm_systems.model.recompute import RECOMPUTE_CHOICES
 from lm_systems.model.shape import ModelShape
 from lm_systems.model.transformer import TransformerLM
 from lm_systems.run.description import describe_model, run_hyperparameters
@@ -21,6 +22,8 @@ from lm_systems.training.clipping import GradientClipping, clip_grad_norm, globa
 from lm_systems.training.compile_policy import CompileChoice, compile_model
 from lm_systems.training.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteWatch, divergence_advice
 from lm_systems.training.optim import adamw_param_groups, make_adamw
+from lm_systems.training.out_of_memory import RunTerms, named_out_of_memory, strategy_name
+from lm_systems.training.recompute_budget import recompute_plan
 from lm_systems.training.schedule import check_schedule, warmup_cosine_schedule
 
 
@@ -39,7 +42,14 @@ class LitLM(L.LightningModule):
         attention: attention implementation (auto, naive, sdpa, flash_torch, flash_triton).
         activation_checkpointing: what backward recomputes, not kept: "none"; "blocks" (each block's input kept, the
             block rerun: least memory, one more forward); "keep_attention" (as blocks, attention outputs kept: their
-            recompute costs most at long context); "selective" (matmul and attention outputs kept, the rest rerun).
+            recompute costs most at long context); "selective" (matmul and attention outputs kept, the rest rerun);
+            "keep_projections" (as selective but w2's output, which backward never needs: the same work, less kept);
+            "auto" (per block, the most that fits memory_budget: the later blocks keep more; one line at start says
+            how many blocks got each policy and the predicted peak).
+        memory_budget: with activation_checkpointing auto, the memory one GPU may use: a fraction of the card when at
+            most 1 (0.9: 90%), GiB above 1 (e.g. 120). Counted against it: parameters, gradients and AdamW state
+            (divided over the GPUs by zero3 and fsdp2), the kept activations, one block's backward and the loss.
+            Without CUDA a fraction cannot be resolved: give GiB, or auto keeps each block's input only (as "blocks").
         fused_loss: the LM head and cross-entropy over chunks of tokens, never holding every position's logits (at
             vocabulary V and N tokens the plain loss holds N × V float32 logits and their gradient).
         ffn_chunk_tokens: the feed-forward over chunks of this many positions (0: all at once): at long context, fewer
@@ -75,7 +85,8 @@ class LitLM(L.LightningModule):
         d_ff: Optional[int] = None,
         rope_theta: Optional[float] = None,
         attention: str = "auto",
-        activation_checkpointing: Literal["none", "blocks", "keep_attention", "selective"] = "none",
+        activation_checkpointing: Literal[RECOMPUTE_CHOICES] = "none",
+        memory_budget: float = 0.9,
         fused_loss: bool = True,
         ffn_chunk_tokens: int = 0,
         lr: float = 3e-3,
@@ -118,7 +129,9 @@ class LitLM(L.LightningModule):
         """Build the TransformerLM (``model``) and compile it, once (the Trainer calls this after ``setup``, in the
         strategy's tensor_init_context; load_from_checkpoint too). With data: count flops_per_batch, log the size."""
         if self.model is None:
-            self.model = TransformerLM(self.config)
+            batch_size = (self._shape.data_shape or (None, None))[0]
+            plan = recompute_plan(self.config, batch_size, attached_trainer(self))  # for auto: one line says it
+            self.model = TransformerLM(self.config, plan.block_recompute if plan is not None else None)
             if self.hparams.compile:
                 compile_model(self.model, self.hparams.compile, attached_trainer(self), self)
         if self._shape.data_shape is not None:
@@ -156,8 +169,26 @@ class LitLM(L.LightningModule):
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
         return self.model(inputs, targets)
 
+    def _out_of_memory_named(self, where: str, weights_whole: bool = True) -> Any:
+        """Out of memory inside the block ends the run in one line saying ``where`` (:mod:`.training.out_of_memory`)."""
+        return named_out_of_memory(where, self._run_terms, lambda: self.device, weights_whole)
+
+    def _run_terms(self) -> RunTerms:
+        batch_size, context = self._shape.data_shape or (None, None)
+        return RunTerms(
+            batch_size=batch_size,
+            context_length=context or self.config.context_length,
+            activation_checkpointing=self.config.activation_checkpointing,
+            memory_budget=self.config.memory_budget,
+            strategy=strategy_name(self.trainer.strategy),
+            rank=self.trainer.global_rank,
+            world_size=self.trainer.world_size,
+            step=self.trainer.global_step,
+        )
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        with self._out_of_memory_named("the training step's forward"):
+            loss = self._loss(batch)
         self._clipping.last_loss = loss.detach()
         # Only on logging steps, not as a progress-bar value: Lightning reads those back to the host after every
         # batch, a wait for the GPU each step (the bar shows the logged value instead).
@@ -184,8 +215,14 @@ class LitLM(L.LightningModule):
     def _clip_grad_norm(self, max_norm: float, in_step: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return clip_grad_norm(global_grad_norm(self.trainer, self.model), max_norm, in_step)
 
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        with self._out_of_memory_named("the training step's backward"):
+            super().backward(loss, *args, **kwargs)
+
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # The forward and backward run inside (the closure), named there; what is left is clipping and the update.
+        with self._out_of_memory_named("the optimizer's step", weights_whole=False):
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         # Free the gradients now: Lightning zeroes them only after the next step's forward, which would then
         # run with a full fp32 copy of the parameters' size still allocated.
         optimizer.zero_grad(set_to_none=True)
@@ -196,7 +233,8 @@ class LitLM(L.LightningModule):
         self.val_loss.reset()
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch), weight=batch.shape[0])
+        with self._out_of_memory_named("validation"):
+            self.val_loss.update(self._loss(batch), weight=batch.shape[0])
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # averaged over every rank's windows

@@ -261,9 +261,9 @@ def test_the_trainer_builds_the_model_after_setup_inside_the_strategys_init_cont
     built_under = []
     build = TransformerLM.__init__
 
-    def recording_build(self, config):
+    def recording_build(self, config, *block_recompute):
         built_under.append((torch.get_default_dtype(), config.vocab_size))
-        build(self, config)
+        build(self, config, *block_recompute)
 
     monkeypatch.setattr(TransformerLM, "__init__", recording_build)
     data = datamodule(cache_dir)
@@ -293,6 +293,7 @@ def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
         rope_theta=500.0,
         attention="naive",
         activation_checkpointing="blocks",
+        memory_budget=0.5,
         fused_loss=False,
         ffn_chunk_tokens=16,
     )

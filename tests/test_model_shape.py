@@ -21,6 +21,7 @@ OVERRIDES = {
     "rope_theta": None,
     "attention": "auto",
     "activation_checkpointing": "none",
+    "memory_budget": None,
     "fused_loss": True,
     "ffn_chunk_tokens": 0,
 }

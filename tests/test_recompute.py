@@ -71,10 +71,40 @@ def test_recomputing_gives_the_gradients_of_keeping_everything(policy):
         torch.testing.assert_close(recomputed_grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
+MIXES = [("blocks", "keep_attention", "selective"), ("none", "selective", "blocks"), ("keep_attention", "none", "none")]
+
+
+@pytest.mark.parametrize("mix", MIXES, ids="-".join)
+def test_a_policy_per_block_gives_the_gradients_of_keeping_everything(mix):
+    """What --model.activation_checkpointing auto builds: each block under its own policy."""
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 17))
+    loss, grads = _loss_and_grads(_model("none"), tokens)
+    torch.manual_seed(0)
+    mixed = TransformerLM(ModelConfig(activation_checkpointing="auto", **CONFIG), block_recompute=mix).double()
+    mixed_loss, mixed_grads = _loss_and_grads(mixed, tokens)
+    torch.testing.assert_close(mixed_loss, loss, rtol=0, atol=0)
+    for name, grad in grads.items():  # float64: the same operations again, up to the order of additions
+        torch.testing.assert_close(mixed_grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.slow  # compiles the blocks' graph three times
+def test_a_policy_per_block_inside_compiled_blocks_gives_the_same_gradients():
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 17))
+    compiled = {}
+    for mix in (("none",) * 3, ("keep_projections", "blocks", "keep_attention")):
+        torch.manual_seed(0)
+        model = TransformerLM(ModelConfig(activation_checkpointing="auto", **CONFIG), block_recompute=mix).double()
+        model.compile_blocks()  # one graph for the blocks, recompiled for each policy
+        compiled[mix] = _loss_and_grads(model, tokens)[1]
+    kept, mixed = compiled.values()
+    for name, grad in kept.items():  # RMSNorm's float32 statistics: float32-level differences
+        torch.testing.assert_close(mixed[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_each_policy_keeps_less_for_backward():
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 25))
     kept = {policy: _kept_bytes(_model(policy), tokens) for policy in RECOMPUTE_POLICIES}
-    assert kept["blocks"] < kept["keep_attention"] < kept["selective"] < kept["none"]
+    assert kept["blocks"] < kept["keep_attention"] < kept["keep_projections"] < kept["selective"] < kept["none"]
     # Each block more: "blocks" keeps its input alone, one (B, T, D) float64; the others keep far more.
     deeper = {
         policy: _kept_bytes(_model(policy, num_layers=CONFIG["num_layers"] + 2), tokens)
@@ -85,6 +115,8 @@ def test_each_policy_keeps_less_for_backward():
     # "keep_attention" adds the attention's output (B, H, T, d_head) and its softmax statistics (B, H, T), float64.
     heads = CONFIG["num_heads"]
     assert per_block["keep_attention"] - per_block["blocks"] == 2 * 24 * (CONFIG["d_model"] + heads) * 8
+    # "keep_projections" drops w2's output, (B, T, D).
+    assert per_block["selective"] - per_block["keep_projections"] == 2 * 24 * CONFIG["d_model"] * 8
     # "selective" drops at least the SwiGLU's elementwise outputs (silu and the product, (B, T, d_ff) each).
     assert per_block["none"] - per_block["selective"] >= 2 * 2 * 24 * CONFIG["d_ff"] * 8
 

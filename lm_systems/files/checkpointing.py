@@ -78,7 +78,8 @@ class CrashCheckpoint(Checkpoint):
 
     Lightning's OnExceptionCheckpoint needs its folder before the run has one, and its presence makes
     every ``fit`` without ``ckpt_path`` look for a checkpoint to resume (with two warnings). Skipped
-    before the first step, after non-finite training (its weights are not saved) or a failed write (a full disk,
+    before the first step, after a RunError that leaves no whole weights (non-finite training, out of memory in the
+    optimizer's step) or a failed write (a full disk,
     an unwritable folder: a save would fail too), and in distributed runs,
     where the save's collectives would wait on ranks that may be gone. A failure to save is a warning:
     the exception that stopped the run is the one to surface. A fit that finishes removes an older
@@ -89,7 +90,9 @@ class CrashCheckpoint(Checkpoint):
 
     @override
     def on_exception(self, trainer: "L.Trainer", pl_module: "L.LightningModule", exception: BaseException) -> None:
-        if trainer.world_size > 1 or trainer.global_step == 0 or isinstance(exception, RunError):
+        if trainer.world_size > 1 or trainer.global_step == 0:
+            return
+        if isinstance(exception, RunError) and exception.resume_advice is None:  # weights not whole, or not finite
             return
         if getattr(os_error_in(exception), "errno", None) in WRITE_ERRNOS:  # a save would meet the same full disk
             return
@@ -101,7 +104,8 @@ class CrashCheckpoint(Checkpoint):
         except Exception as error:
             rank_zero_warn(f"could not save {path} after {type(exception).__name__}: {error}")
         else:
-            rank_zero_info(f"stopped at step {trainer.global_step}: resume with --ckpt_path {path}")
+            advice = f", {exception.resume_advice}" if isinstance(exception, RunError) else ""
+            rank_zero_info(f"stopped at step {trainer.global_step}: resume with --ckpt_path {path}{advice}")
 
     @override
     def teardown(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:

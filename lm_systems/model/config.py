@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from lm_systems.attention import attention_names
-from lm_systems.model.recompute import RECOMPUTE_POLICIES
+from lm_systems.model.recompute import RECOMPUTE_CHOICES
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,11 @@ class ModelConfig:
     attention: str = "auto"
     """Attention implementation by name (``lm_systems.attention.attention_names()``)."""
     activation_checkpointing: str = "none"
-    """What backward recomputes instead of keeping: one of ``lm_systems.model.recompute.RECOMPUTE_POLICIES``."""
+    """What backward recomputes instead of keeping: one of ``lm_systems.model.recompute.RECOMPUTE_CHOICES``; ``auto``
+    chooses a policy per block, the most each can keep within ``memory_budget`` (``lm_systems.model.memory_budget``)."""
+    memory_budget: float = 0.9
+    """With ``activation_checkpointing`` auto, the memory one GPU may use: a fraction of its card (at most 1) or GiB
+    (above 1). A fraction needs the card's size: without CUDA, auto keeps ``blocks``'s bytes (its first fallback)."""
     fused_loss: bool = True
     """The LM head and cross-entropy over chunks of tokens, never holding every position's logits
     (``lm_systems.model.loss``); False computes the logits, then the cross-entropy."""
@@ -39,10 +43,15 @@ class ModelConfig:
                 f"unknown attention {self.attention!r} (set --model.attention to one of: "
                 f"{', '.join(attention_names())})"
             )
-        if self.activation_checkpointing not in RECOMPUTE_POLICIES:
+        if self.activation_checkpointing not in RECOMPUTE_CHOICES:
             raise ValueError(
                 f"unknown activation checkpointing {self.activation_checkpointing!r} (set "
-                f"--model.activation_checkpointing to one of: {', '.join(RECOMPUTE_POLICIES)})"
+                f"--model.activation_checkpointing to one of: {', '.join(RECOMPUTE_CHOICES)})"
+            )
+        if not self.memory_budget > 0:
+            raise ValueError(
+                "--model.memory_budget must be a fraction of the card (0 < b <= 1) or GiB (> 1), "
+                f"got {self.memory_budget}"
             )
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             if getattr(self, name) <= 0:

@@ -11,6 +11,9 @@ Policies, by name (``--model.activation_checkpointing``):
 - ``selective``: the block's matrix products and attention are kept, the cheap elementwise work between them (norms,
   rotary embedding, SiLU, products) is recomputed: most of the memory of ``none`` goes to those matmul outputs, so
   this saves less than ``blocks`` for a fraction of its extra work.
+- ``keep_projections``: as ``selective``, less the feed-forward's output projection (w2), the one matrix product
+  that reads d_ff-wide input: only the residual sum reads its output, which backward never needs, so the recompute
+  stops before it. The same work as ``selective`` for one (B, T, d_model) tensor less a block.
 
 The recomputing policies use torch's non-reentrant ``torch.utils.checkpoint`` (``create_selective_checkpoint_contexts``
 for those that keep some outputs), which works eagerly and inside torch.compile, and give the gradients of ``none``.
@@ -26,7 +29,12 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lm_systems.compat.torch import sdpa_kernel_ops
 
-RECOMPUTE_POLICIES = ("none", "blocks", "keep_attention", "selective")
+RECOMPUTE_POLICIES = ("none", "blocks", "keep_attention", "keep_projections", "selective")
+RECOMPUTE_CHOICES = (*RECOMPUTE_POLICIES, "auto")
+"""What ``--model.activation_checkpointing`` takes: a policy for every block, or ``auto``, a policy per block chosen
+for a memory budget (``lm_systems.model.memory_budget``)."""
+AUTO_WITHOUT_PLAN = "blocks"
+"""What ``auto`` keeps in every block where no plan was made (no card to take a fractional budget of, no trainer)."""
 
 _aten = torch.ops.aten
 _MATMUL_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
@@ -54,6 +62,13 @@ def _keep_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _keep_projections_and_attention(d_model: int, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Attention and the matrix products whose input is d_model wide (qkv, out, w1, w3; not w2, which reads d_ff)."""
+    if _is_attention(op) or (op in _MATMUL_OPS and args[1 if op is _aten.addmm.default else 0].shape[-1] == d_model):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 _KEPT = {"keep_attention": _keep_attention, "selective": _keep_matmuls_and_attention}
 
 
@@ -62,7 +77,8 @@ def run_with_recompute(forward: Callable[[torch.Tensor], torch.Tensor], x: torch
     checked where the model's configuration is made)."""
     if policy == "none" or not torch.is_grad_enabled():  # outside autograd nothing is saved anyway
         return forward(x)
-    if policy in _KEPT:
-        contexts = functools.partial(create_selective_checkpoint_contexts, _KEPT[policy])
+    if policy in _KEPT or policy == "keep_projections":
+        kept = _KEPT.get(policy) or functools.partial(_keep_projections_and_attention, x.shape[-1])
+        contexts = functools.partial(create_selective_checkpoint_contexts, kept)
         return checkpoint(forward, x, use_reentrant=False, context_fn=contexts)
     return checkpoint(forward, x, use_reentrant=False)

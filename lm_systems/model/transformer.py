@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lm_systems.attention import get_attention
 from lm_systems.model.config import ModelConfig
 from lm_systems.model.loss import fused_linear_cross_entropy
-from lm_systems.model.recompute import run_with_recompute
+from lm_systems.model.recompute import AUTO_WITHOUT_PLAN, RECOMPUTE_POLICIES, run_with_recompute
 from lm_systems.profiling.nvtx import nvtx_range
 
 
@@ -103,16 +103,16 @@ class SwiGLU(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(·)); its activations kept for backward as the config's
-    ``activation_checkpointing`` says (recomputed inside this call, so hooks on the block run once)."""
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(·)); its activations kept for backward as ``recompute``
+    (one of RECOMPUTE_POLICIES) says, recomputed inside this call, so hooks on the block run once."""
 
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, recompute: str) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model)
         self.attn = CausalSelfAttention(config, rope)
         self.ffn_norm = RMSNorm(config.d_model)
         self.ffn = SwiGLU(config.d_model, config.d_ff, config.ffn_chunk_tokens)
-        self.recompute = config.activation_checkpointing
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_with_recompute(self._residual_branches, x, self.recompute)
@@ -146,14 +146,26 @@ def _run_blocks(blocks: tuple[TransformerBlock, ...], x: torch.Tensor) -> torch.
 
 
 class TransformerLM(nn.Module):
-    """Token embedding → N pre-norm blocks → RMSNorm → LM head. ``forward(tokens)`` gives logits."""
+    """Token embedding → N pre-norm blocks → RMSNorm → LM head. ``forward(tokens)`` gives logits.
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``block_recompute``: each block's activation checkpointing policy (one of RECOMPUTE_POLICIES, a block each), as
+    ``lm_systems.model.memory_budget.plan_recompute`` chooses them for ``activation_checkpointing`` auto; by default
+    the config's policy for every block, and for auto, whose plan needs the card and the batch, AUTO_WITHOUT_PLAN."""
+
+    def __init__(self, config: ModelConfig, block_recompute: Optional[Sequence[str]] = None) -> None:
         super().__init__()
         self.config = config
+        if block_recompute is None:
+            policy = AUTO_WITHOUT_PLAN if config.activation_checkpointing == "auto" else config.activation_checkpointing
+            block_recompute = [policy] * config.num_layers
+        if len(block_recompute) != config.num_layers or not set(block_recompute) <= set(RECOMPUTE_POLICIES):
+            raise ValueError(
+                f"block_recompute names one of {RECOMPUTE_POLICIES} for each of the {config.num_layers} blocks, got "
+                f"{list(block_recompute)}"
+            )
         rope = RotaryEmbedding(config.d_head, config.context_length, config.rope_theta)
         self.embedding = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(TransformerBlock(config, rope) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(TransformerBlock(config, rope, policy) for policy in block_recompute)
         self.final_norm = RMSNorm(config.d_model)
         self.lm_head = LMHead(config.d_model, config.vocab_size, config.fused_loss)
         # compile_blocks(runs=...): (index of the first block, the run's blocks) per run, and the compiled runner

@@ -106,8 +106,13 @@ class RunSummary(L.Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device) / 2**30
+            reserved = torch.cuda.max_memory_reserved(device) / 2**30  # the gap to the allocated: fragmentation
             lines.append(
-                ("memory", f"{peak:.1f} GiB at most allocated on rank 0's GPU (torch.cuda.max_memory_allocated)")
+                (
+                    "memory",
+                    f"{peak:.1f} GiB at most allocated, {reserved:.1f} GiB reserved on rank 0's GPU "
+                    "(torch.cuda.max_memory_allocated, max_memory_reserved)",
+                )
             )
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "")
         if checkpoint:

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The memory-budget recompute policy on ONE CUDA GPU (an H200: 139.8 GiB), through train.py, the 8B model of
+# configs/leaderboard_8b.yaml at batch 1 × 32,768 (bf16-true, compiled, full parameters, gradients and AdamW state on
+# the one GPU; about 1 min 45 s to the first step):
+#   budget        keep_attention (the config's) against auto at --model.memory_budget 0.9, one run each, interleaved
+#                 (keep_attention, auto): s a step and peak allocated / reserved per run        (about 5 min)
+#   oom           --model.activation_checkpointing none runs out of memory: exit 1, one error line, no traceback
+#                                                                                               (about 2.5 min)
+#   torch_budget  torch's own partitioner budget instead: none + torch._functorch.config.activation_memory_budget
+#                 0.35 under torch.compile (the whole model, one GPU), for comparison; a call of its own
+#                 (about 3 min, its knapsack over the 34 blocks' graph included)
+#
+#   .ci/gpu_memory_budget.sh budget oom     # stages in order, each under its own time limit (both: at most 8 min)
+# Writes each run's log and $OUT/summary.txt (s a step, peak; ./gpu_memory_budget_out without OUT).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_NAME=gpu_memory_budget_out source .ci/gpu_stages.sh  # $OUT; the wheels the GPU image lacks; record_versions; run
+STAGES=("${@:-budget}")
+record_versions
+export PYTHONPATH=.
+
+EIGHT_B=(-c configs/leaderboard_8b.yaml --trainer.devices 1 --trainer.strategy auto --trainer.logger false
+    --trainer.enable_progress_bar false)
+
+step8b() {  # step8b NAME LIMIT STEPS FLAGS...: one train.py run of the 8B; its speed and memory lines to summary.txt
+    local name=$1 limit=$2 steps=$3; shift 3
+    run "$name" "$limit" timeout -k 15 "$((limit - 20))" python train.py "${EIGHT_B[@]}" --trainer.max_steps "$steps" "$@"
+    grep -E "activation checkpointing auto|speed|memory" "$OUT/$name.log" | sed "s/^/$name: /" | tee -a "$OUT/summary.txt"
+}
+
+for stage in "${STAGES[@]}"; do
+    case $stage in
+    budget)
+        step8b keep_attention 160 4
+        step8b auto_0.9 160 4 --model.activation_checkpointing auto --model.memory_budget 0.9
+        ;;
+    oom)
+        step8b oom_none 160 2 --model.activation_checkpointing none
+        errors=$(grep -c "^error: CUDA out of memory in " "$OUT/oom_none.log")
+        traceback=$(grep -c "Traceback" "$OUT/oom_none.log")
+        echo "oom_none: $errors error line(s), $traceback traceback(s) (expected: exit 1, 1 line, 0 tracebacks)" \
+            | tee -a "$OUT/summary.txt"
+        grep "^error: " "$OUT/oom_none.log" | tee -a "$OUT/summary.txt"
+        ;;
+    torch_budget)
+        run torch_budget 240 timeout -k 15 220 python -c "
+import runpy, sys
+import torch._functorch.config as functorch_config
+functorch_config.activation_memory_budget = 0.35
+sys.argv = ['train.py', *sys.argv[1:]]
+runpy.run_path('train.py', run_name='__main__')
+" "${EIGHT_B[@]}" --trainer.max_steps 4 --model.activation_checkpointing none
+        grep -E "speed|memory|^error" "$OUT/torch_budget.log" | sed "s/^/torch_budget: /" | tee -a "$OUT/summary.txt"
+        ;;
+    *)
+        echo "unknown stage $stage (budget, oom, torch_budget)"; exit 2
+        ;;
+    esac
+done
