@@ -19,6 +19,8 @@ import torch
 from run_record import load_records, replay
 from sigterm_run import sigterm_after_first_checkpoint
 
+from lm_systems.files.checkpoint_io import read_checkpoint
+
 STEPS, STOP_AT, ACCUMULATE = 6, 3, 2
 # Below every step's gradient norm in these runs (0.6-0.7 measured), so every step clips: a strategy whose
 # wrapper skipped or misplaced clipping would end elsewhere. The replay asserts that each step clipped.
@@ -83,7 +85,7 @@ def record_into(run_dir: Path) -> list[str]:
 
 def checkpoint(run_dir: Path, step: int) -> dict:
     (path,) = run_dir.rglob(f"step={step}.ckpt")
-    return torch.load(path, weights_only=False)
+    return read_checkpoint(path)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, scope="module")
