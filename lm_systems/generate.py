@@ -2,11 +2,13 @@
 
 python -m lm_systems.generate --ckpt last --prompt "Once upon a time"    # the newest run's last.ckpt
 python -m lm_systems.generate --ckpt logs/lm_systems/version_3/checkpoints/step=300.ckpt
+(a checkpoint directory, as zero3, zero1 and fsdp2 write, is read the same way: its weights only)
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lm_systems.errors import DEBUG_ENV, reported_errors, request_debug
+from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_whole
 from lm_systems.files.checkpoint_io import NEWEST, RUN_CHECKPOINTS, newest_run_checkpoint, require_checkpoint_file
 from lm_systems.lit_module import LitLM
 from lm_systems.model.transformer import TransformerLM
@@ -32,14 +35,22 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tup
     the weights again for AdamW) never takes room on a GPU.
     """
     path = require_checkpoint_file(path, "--ckpt")
-    tokenizer = _stored_tokenizer(path)
-    lit = LitLM.load_from_checkpoint(path, map_location="cpu", compile=False)
+    if is_checkpoint_dir(path):  # the weights gathered whole from every rank's files, the optimizer state left unread
+        entries = read_whole(path, optimizer=False)
+        buffer = io.BytesIO()
+        torch.save(entries, buffer)
+        buffer.seek(0)
+        source: Path | io.BytesIO = buffer
+    else:
+        entries = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # no tensor read
+        source = path
+    tokenizer = _stored_tokenizer(path, entries)
+    lit = LitLM.load_from_checkpoint(source, map_location="cpu", compile=False)
     return lit.model.to(device), tokenizer
 
 
-def _stored_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer a training checkpoint carries; memory-mapped, so no tensor of the checkpoint is read."""
-    entries = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+def _stored_tokenizer(path: Path, entries: dict) -> Tokenizer:
+    """The tokenizer a training checkpoint carries."""
     if not {"model_config", "tokenizer", LitLM.CHECKPOINT_HYPER_PARAMS_KEY} <= entries.keys():
         raise ValueError(f"{str(path)!r} was not written by lm_systems training (no model config or tokenizer)")
     return Tokenizer.from_str(entries["tokenizer"])

@@ -14,12 +14,13 @@ from typing_extensions import override
 
 from lm_systems.compat.lightning import DataParallelMeshStrategy
 from lm_systems.training.strategy_offers import ShardingUnits
+from strategies.checkpoint_dirs import CheckpointDirStrategy
 from strategies.sigterm import HostSigtermStrategy
 
 BF16_PRECISIONS = ("bf16-mixed", "bf16-true")
 
 
-class FSDP2Strategy(HostSigtermStrategy, DataParallelMeshStrategy):
+class FSDP2Strategy(CheckpointDirStrategy, HostSigtermStrategy, DataParallelMeshStrategy):
     """Lightning's ModelParallelStrategy (data parallel only) with FSDP2 applied by the strategy itself:
     ``fully_shard`` on each unit the LightningModule's ``sharding_units()`` names (LitLM: each Transformer block),
     then on the module its forward runs (the whole model), so a LitLM trains under it unchanged.

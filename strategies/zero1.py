@@ -7,19 +7,21 @@ from collections.abc import Callable
 from typing import Any, Literal, Optional
 
 from lightning.pytorch import Trainer
+from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lm_systems.parallel import DataParallelModule, ShardedOptimizer, optimizer_init_kwargs
 from lm_systems.parallel.sharded_optimizer import Exchange
+from strategies.checkpoint_dirs import CheckpointDirStrategy
 from strategies.data_parallel import BucketedDDPStrategy
 from strategies.sharded_grad_scaler import agree_on_overflow
 
 GradReduce = Literal["all_reduce", "owner"]
 
 
-class Zero1Strategy(BucketedDDPStrategy):
+class Zero1Strategy(CheckpointDirStrategy, BucketedDDPStrategy):
     """BucketedDDP gradients and every optimizer from ``configure_optimizers`` wrapped in a ShardedOptimizer.
 
     The wrapper takes over the user's param-group dicts themselves, so learning-rate schedulers built on
@@ -89,6 +91,14 @@ class Zero1Strategy(BucketedDDPStrategy):
                 self.model.reduce_to_owners(_owner_lookup(sharded))
             else:  # a parameter no optimizer holds still counts in the norm, once: rank 0 takes it
                 self.model.clip_only_owned(_owner_lookup(sharded, default=0))
+
+    @override
+    def holds_state(self, optimizer: Optimizer, param: Tensor) -> bool:
+        return not isinstance(optimizer, ShardedOptimizer) or optimizer.owner(param) == optimizer.rank
+
+    @override
+    def local_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return optimizer.local_state_dict() if isinstance(optimizer, ShardedOptimizer) else optimizer.state_dict()
 
     def _shard(self, optimizer: Optimizer) -> ShardedOptimizer:
         if isinstance(optimizer, ShardedOptimizer):

@@ -17,6 +17,7 @@ from typing_extensions import override
 from lm_systems.compat.lightning import optimizer_to_device
 from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
 from lm_systems.training.strategy_offers import ShardingUnits
+from strategies.checkpoint_dirs import CheckpointDirStrategy
 from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
 from strategies.sharded_grad_scaler import agree_on_overflow
 
@@ -30,7 +31,7 @@ def resolve_compute_dtype(choice: str, precision: str) -> Optional[torch.dtype]:
     return COMM_DTYPES.get(choice)
 
 
-class Zero3Strategy(ContainerDDPStrategy):
+class Zero3Strategy(CheckpointDirStrategy, ContainerDDPStrategy):
     """Trains through a FullyShardedDataParallel: each rank holds 1/N of every unit's parameters, gradients and
     optimizer state. The units are those the LightningModule names in ``sharding_units()``
     (:class:`lm_systems.training.strategy_offers.ShardingUnits`; LitLM's: each Transformer block) and every linear or
@@ -95,17 +96,25 @@ class Zero3Strategy(ContainerDDPStrategy):
             return
         agree_on_overflow(self.precision_plugin, self.root_device, self._grad_group)  # each rank unscales its shards
 
-    # -- checkpoints: full weights and full optimizer state ----------------------------------
+    # -- checkpoints: a directory of every rank's shards (CheckpointDirStrategy), or one file of the full state ----
+
+    @override
+    def global_view(self, param: Tensor, tensor: Tensor) -> Tensor:
+        return tensor if self._sharded is None else self._sharded.global_view(param, tensor)
+
+    @override
+    def full_shape(self, param: Tensor) -> torch.Size:
+        return param.shape if self._sharded is None else self._sharded.full_shape(param)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._sharded is None:
+        if self._sharded is None or self.writes_directories:
             return super().lightning_module_state_dict()
         return self._sharded.full_state_dict()  # a collective: Lightning asks every rank
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._sharded is None:
+        if self._sharded is None or self.restored_from_directory:
             super().load_model_state_dict(checkpoint, strict=strict)
         else:
             self._sharded.load_full_state_dict(checkpoint["state_dict"], strict=strict)
@@ -114,14 +123,14 @@ class Zero3Strategy(ContainerDDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        if self._sharded is None:
+        if self._sharded is None or self.writes_directories:
             return super().optimizer_state(optimizer)
         state = self._sharded.full_optimizer_state_dict(optimizer)  # a collective: Lightning asks every rank
         return state if self.is_global_zero else {}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._sharded is None:
+        if self._sharded is None or self.restored_from_directory:
             super().load_optimizer_state_dict(checkpoint)
             return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):

@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 from run_record import load_records, replay
 
+from lm_systems.files.checkpoint_io import read_checkpoint
+
 
 def last_checkpoint(run_dir: Path) -> dict:
     (path,) = run_dir.rglob("last.ckpt")
-    return torch.load(path, weights_only=False)
+    return read_checkpoint(path)
 
 
 def assert_trained_like_replay(run_dir: Path, world_size: int, clip: float) -> None:

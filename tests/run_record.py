@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from lm_systems.model.config import ModelConfig
 from lm_systems.model.transformer import TransformerLM
@@ -23,10 +24,14 @@ from lm_systems.training.optim import adamw_param_groups
 
 
 def _full_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    """The LightningModule's whole state dict, as a checkpoint holds it (a collective under zero3: every rank asks)."""
-    return {
-        name: value.detach().cpu().clone() for name, value in trainer.strategy.lightning_module_state_dict().items()
-    }
+    """The LightningModule's whole state dict, as a checkpoint holds it (a collective under zero3 and fsdp2, whose
+    checkpoint directories hold DTensors of each rank's rows: every rank asks)."""
+    state = trainer.strategy.lightning_module_state_dict()
+    return {name: _whole(value).detach().cpu().clone() for name, value in state.items()}
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class RecordRun(L.Callback):

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-import torch
+from lm_systems.files.checkpoint_io import read_checkpoint
 
 
 def sigterm_after_first_checkpoint(train_py, run_dir: Path, *args: str) -> None:
@@ -30,7 +30,7 @@ def sigterm_after_first_checkpoint(train_py, run_dir: Path, *args: str) -> None:
             assert time.monotonic() < deadline, f"rank 1 (pid {ranks[0]}) still running after rank 0 exited"
             time.sleep(0.2)
     (last,) = run_dir.rglob("last.ckpt")
-    assert 1 <= torch.load(last, map_location="cpu", weights_only=False)["global_step"] < 100000
+    assert 1 <= read_checkpoint(last)["global_step"] < 100000
 
 
 def children_of(pid: int) -> list[int]:

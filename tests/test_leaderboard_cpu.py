@@ -11,6 +11,7 @@ import pytest
 import torch
 from environment import environment_kept
 
+from lm_systems.files.checkpoint_io import read_checkpoint
 from lm_systems.model.recompute import RECOMPUTE_POLICIES
 from train import main
 
@@ -54,7 +55,7 @@ def _final_weights(tmp_path, name: str, *flags: str) -> dict[str, torch.Tensor]:
     root = tmp_path / name
     main([*EIGHT_B_SHAPED, "--trainer.default_root_dir", str(root), *flags])
     (checkpoint,) = root.rglob("last.ckpt")
-    return torch.load(checkpoint, weights_only=False)["state_dict"]
+    return read_checkpoint(checkpoint)["state_dict"]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from run_record import load_records, replay
 
+from lm_systems.files.checkpoint_io import read_checkpoint
+
 
 def lightning_environment(node_rank: int, port: int) -> dict[str, str]:
     """What `srun`-less manual launching sets on each node (Lightning's LightningEnvironment reads it)."""
@@ -82,7 +84,7 @@ def test_two_nodes_train_to_equal_replicas_and_one_checkpoint(strategy, environm
     checkpoints = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.ckpt"))
     run = Path("logs", "lm_systems", "version_0", "checkpoints")
     assert checkpoints == [run / "last.ckpt", run / "step=3.ckpt"]
-    saved = torch.load(tmp_path / run / "step=3.ckpt", weights_only=False)["state_dict"]
+    saved = read_checkpoint(tmp_path / run / "step=3.ckpt")["state_dict"]
     assert saved.keys() == reference.keys()
     for name, weight in reference.items():
         assert not torch.equal(weight, records[0]["initial"][name]), f"{name} never moved"

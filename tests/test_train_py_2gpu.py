@@ -20,6 +20,8 @@ import torch
 from sigterm_run import sigterm_after_first_checkpoint
 from test_train_py_gpu import assert_trained, logged, version_dir
 
+from lm_systems.files.checkpoint_io import read_checkpoint
+
 STEPS = 12
 ZERO1_ALL_REDUCE = "zero1 --trainer.strategy.grad_reduce all_reduce"  # every rank keeps all averaged gradients
 # The tiny model's four blocks in 2.5 MB buckets: compiled as two runs of two blocks, one graph each.
@@ -72,7 +74,7 @@ def train_py_on_gpus(train_py, run_dir: Path, cache_dir: Path, devices: int, *ar
 
 
 def checkpoint_weights(run_dir: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
-    checkpoint = torch.load(version_dir(run_dir) / "checkpoints" / name, map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(version_dir(run_dir) / "checkpoints" / name)
     return {k: v.float() for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
 
 
@@ -140,12 +142,7 @@ def test_resume_ends_where_the_uninterrupted_run_ends(strategy, devices, tmp_pat
     train_py_on_gpus(train_py, first, cache_dir, devices, *common, "--checkpointing_interval", str(STEPS // 2))
     middle = version_dir(first) / "checkpoints" / f"step={STEPS // 2}.ckpt"
     train_py_on_gpus(train_py, resumed, cache_dir, devices, *common, "--ckpt_path", str(middle))
-    assert (
-        torch.load(version_dir(resumed) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)[
-            "global_step"
-        ]
-        == STEPS
-    )
+    assert read_checkpoint(version_dir(resumed) / "checkpoints" / "last.ckpt")["global_step"] == STEPS
     expected, got = checkpoint_weights(whole), checkpoint_weights(resumed)
     assert distance(got, expected) <= 1e-3 * distance(expected, checkpoint_weights(first, middle.name))
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lm_systems.files.checkpoint_io import read_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
 SHORT = [
@@ -56,7 +58,7 @@ def assert_trained(run_dir: Path, checkpointed: bool = True) -> dict | None:
     assert losses[-1] < losses[0], losses
     if not checkpointed:
         return None
-    checkpoint = torch.load(version_dir(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(version_dir(run_dir) / "checkpoints" / "last.ckpt")
     weights = [t for k, t in checkpoint["state_dict"].items() if k.startswith("model.")]
     assert weights and all(torch.isfinite(t).all() for t in weights)
     return checkpoint
@@ -136,7 +138,7 @@ def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ended(
         "--ckpt_path",
         str(checkpoints / f"step={STEPS // 2}.ckpt"),
     )
-    load = lambda path: torch.load(path, map_location="cpu", weights_only=False)  # noqa: E731
+    load = read_checkpoint
     assert_same_training_state(
         load(version_dir(resumed) / "checkpoints" / f"step={STEPS}.ckpt"), load(checkpoints / f"step={STEPS}.ckpt")
     )

@@ -22,6 +22,8 @@ import torch
 from run_record import load_records, replay
 from sigterm_run import sigterm_after_first_checkpoint
 
+from lm_systems.files.checkpoint_io import read_checkpoint
+
 STEPS, STOP_AT, ACCUMULATE = 6, 3, 2
 PEAK_FLOPS = 1e6  # far below what a CPU reaches: the MFU prints (to 0.1%) in the thousands of %, 5 digits
 # Below every step's gradient norm in these runs (0.6-0.7 measured), so every step clips: a strategy whose
@@ -90,7 +92,7 @@ def record_into(run_dir: Path) -> list[str]:
 
 def checkpoint(run_dir: Path, step: int) -> dict:
     (path,) = run_dir.rglob(f"step={step}.ckpt")
-    return torch.load(path, weights_only=False)
+    return read_checkpoint(path)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, scope="module")

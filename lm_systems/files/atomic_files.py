@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -59,8 +60,9 @@ def write_errors_named(path: str | os.PathLike) -> Iterator[None]:
 
 
 def remove_abandoned_temporaries(paths: Iterable[Path]) -> list[Path]:
-    """Delete those of ``paths`` that are ``atomic_write_path`` temporaries of a killed writer (a kill -9 mid-save
-    leaves one for ever); the ones deleted."""
+    """Delete those of ``paths`` that are temporaries of a killed writer (a kill -9 mid-save leaves one for ever):
+    ``atomic_write_path``'s files, or a checkpoint directory's (``lm_systems.files.checkpoint_dir``, named the same
+    way after its rank 0); the ones deleted."""
     removed = []
     for path in paths:
         match = TEMPORARY_NAME.search(path.name)
@@ -68,7 +70,10 @@ def remove_abandoned_temporaries(paths: Iterable[Path]) -> list[Path]:
             continue
         try:
             if time.time() - path.stat().st_mtime > ABANDONED_AFTER_S:
-                path.unlink()
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
                 removed.append(path)
         except FileNotFoundError:  # renamed into place or removed meanwhile
             continue

@@ -1,4 +1,5 @@
-"""Checkpoint files: written whole (SafeCheckpointIO), and checked whole before they are read."""
+"""Checkpoint files: written whole (SafeCheckpointIO), and checked whole before they are read; a checkpoint directory
+(:mod:`lm_systems.files.checkpoint_dir`) is read as one file's contents where a strategy holds the full state."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from typing_extensions import override
 
 from lm_systems.compat.lightning import is_local_path
 from lm_systems.files.atomic_files import atomic_write_path
+from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_whole
+from lm_systems.files.disk_space import require_space, tensor_bytes
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """TorchCheckpointIO that writes to a temporary name, then renames.
+    """TorchCheckpointIO that writes to a temporary name, then renames; it reads checkpoint directories too (whole,
+    on every rank: what a strategy that holds the full state needs).
 
     A kill at any moment leaves either the previous file or the new one, whole; a Ctrl-C waits for the write to
     end (``ctrl_c_held``). Lightning's own writer serialises the whole checkpoint into memory first and moves it
@@ -34,10 +38,25 @@ class SafeCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not is_local_path(path):
             super().save_checkpoint(checkpoint, path, storage_options)  # remote stores: Lightning's transaction
             return
+        require_space(path, tensor_bytes(checkpoint))
         with ctrl_c_held(), atomic_write_path(path) as tmp, open(tmp, "wb") as file:
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
+
+    @override
+    def load_checkpoint(self, path: Union[str, Path], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if is_checkpoint_dir(path):
+            return read_whole(path)
+        return super().load_checkpoint(path, *args, **kwargs)
+
+
+def read_checkpoint(path: Union[str, Path], optimizer: bool = True) -> dict[str, Any]:
+    """A checkpoint file's or directory's contents, tensors on the CPU (without ``optimizer``, a directory's optimizer
+    state is left unread)."""
+    if is_checkpoint_dir(path):
+        return read_whole(path, optimizer=optimizer)
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 @contextlib.contextmanager
@@ -87,15 +106,19 @@ def newest_run_checkpoint(root: str | Path = ".", flag: str = "--ckpt") -> Path:
 
 
 def require_checkpoint_file(path: str | Path, flag: str) -> Path:
-    """``path`` as a Path if it holds a whole PyTorch checkpoint; otherwise an error naming ``flag``.
+    """``path`` as a Path if it holds a whole PyTorch checkpoint, a file or a checkpoint directory; otherwise an error
+    naming ``flag``.
 
-    Reads only the zip's central directory (at the file's end), so a truncated or foreign file is found
-    without loading the checkpoint.
+    Reads only the zip's central directory (at the file's end), or a directory's metadata's presence, so a truncated
+    or foreign file is found without loading the checkpoint.
     """
     path = Path(path)
+    if is_checkpoint_dir(path):
+        return path
     if path.is_dir():
         raise IsADirectoryError(
-            f"{flag} {str(path)!r} is a folder, not a checkpoint file (pass e.g. {str(path / 'last.ckpt')!r})"
+            f"{flag} {str(path)!r} is a folder, not a checkpoint file nor a checkpoint directory (which holds "
+            f".metadata and meta.pt): pass e.g. {str(path / 'last.ckpt')!r}"
         )
     if not path.exists():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")

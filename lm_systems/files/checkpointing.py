@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Checkpoint
@@ -20,6 +20,14 @@ from typing_extensions import override
 from lm_systems.compat.lightning import LinkingModelCheckpoint
 from lm_systems.errors import WRITE_ERRNOS, RunError, os_error_in
 from lm_systems.files.atomic_files import link_atomically, remove_abandoned_temporaries
+
+
+class PublishedCheckpoints:
+    """A strategy whose checkpoints may become whole after ``save_checkpoint`` returns (written in the background):
+    ``when_published(path, action)`` runs ``action`` once ``path`` is whole under its own name, at once if it is."""
+
+    def when_published(self, path: str, action: Callable[[], None]) -> None:
+        action()
 
 
 class StepCheckpoint(LinkingModelCheckpoint):
@@ -69,7 +77,9 @@ class StepCheckpoint(LinkingModelCheckpoint):
     @override
     def link_checkpoint(self, trainer: "L.Trainer", filepath: str, linkpath: str) -> None:
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            link_atomically(filepath, linkpath)
+            strategy = trainer.strategy
+            publisher = strategy if isinstance(strategy, PublishedCheckpoints) else PublishedCheckpoints()
+            publisher.when_published(filepath, lambda: link_atomically(filepath, linkpath))  # never a partial one
         trainer.strategy.barrier()
 
 

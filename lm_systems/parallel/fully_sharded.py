@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from lm_systems.compat.torch import compiled_whole, foreach_norm, set_module_parameter
 from lm_systems.parallel.base import DataParallelModule
@@ -92,6 +94,7 @@ class FullyShardedDataParallel(DataParallelModule):
         }
         self._replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in self._sharded]
         self._presence = GradPresence(self._replicated, process_group) if self._replicated else None
+        self._mesh: DeviceMesh | None = None  # for global_view, made once asked
         self._schedule = UnitSchedule(self._units, compute_dtype, prefetch, lambda: self.require_backward_grad_sync)
         for unit in self._units:
             self._add_hook(
@@ -226,6 +229,28 @@ class FullyShardedDataParallel(DataParallelModule):
                 for key, value in values.items()
             }
         optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+    # -- sharded values (checkpoints written by every rank) ------------------------------------
+
+    def global_view(self, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, shaped like this rank's shard ``param`` (the parameter or an optimizer state of it), as a DTensor
+        of the full parameter's shape over the rows this rank holds (padding excluded; a view, so writing into it
+        writes ``tensor``); any other tensor as it is. Rows are split as DTensor's ``Shard(0)`` splits them."""
+        found = self._sharded.get(id(param))
+        if found is None or tensor.shape != param.shape:
+            return tensor
+        unit, sharded = found
+        if self._mesh is None:
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            self._mesh = DeviceMesh.from_group(group, tensor.device.type)
+        rows = sharded.valid_rows(tensor, unit.rank)
+        stride = torch.empty(sharded.shape, device="meta").stride()
+        return DTensor.from_local(rows, self._mesh, [Shard(0)], run_check=False, shape=sharded.shape, stride=stride)
+
+    def full_shape(self, param: torch.Tensor) -> torch.Size:
+        """The shape of the parameter of which ``param`` is this rank's shard (``param``'s own if it is not one)."""
+        found = self._sharded.get(id(param))
+        return found[1].shape if found is not None else param.shape
 
     # -- teardown ----------------------------------------------------------------------------
 

@@ -157,11 +157,23 @@ class ShardedOptimizer(StagedOptimizer):
             self._consolidated = None
             return
         state = {i: s for part in gathered for i, s in part.items()}
-        groups = [
+        self._consolidated = {"state": dict(sorted(state.items())), "param_groups": self._indexed_groups(index)}
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's share: the state of the parameters it steps, by their index over every parameter (as in the
+        consolidated state), with the full parameter groups. Not a collective; the tensors are the live state."""
+        params = self._all_params()
+        state = {
+            i: dict(self.state[p]) for i, p in enumerate(params) if self._owner[id(p)] == self.rank and p in self.state
+        }
+        return {"state": state, "param_groups": self._indexed_groups({id(p): i for i, p in enumerate(params)})}
+
+    def _indexed_groups(self, index: dict[int, int]) -> list[dict[str, Any]]:
+        """The parameter groups with each parameter replaced by its index, as ``Optimizer.state_dict`` has them."""
+        return [
             {**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in group["params"]]}
             for group in self.param_groups
         ]
-        self._consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def state_dict(self) -> dict[str, Any]:
         """The consolidated full state; only on the rank ``consolidate_state_dict(to=...)`` named, since the last

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lm_systems.compat.lightning import align_logging_step
 from lm_systems.errors import InputError
+from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_meta
 from lm_systems.model.config import ModelConfig
 from lm_systems.training.nonfinite import weights_are_finite
 
@@ -41,7 +42,11 @@ class SavedSettings:
 
     def __init__(self, ckpt_path: str | Path) -> None:
         self.path = str(ckpt_path)
-        checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+        checkpoint = (
+            read_meta(ckpt_path)  # its weights were checked finite before they were written
+            if is_checkpoint_dir(ckpt_path)
+            else torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+        )
         if not weights_are_finite((checkpoint.get("state_dict") or {}).values()):
             raise InputError(
                 f"--ckpt_path {self.path!r} holds non-finite weights (NaN or inf): training cannot continue from it; "

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from lm_systems.files.checkpoint_io import read_checkpoint
+
 
 def train(train_py, strategy: str, run_dir: Path) -> dict[str, torch.Tensor]:
     train_py.run_ok(
@@ -38,7 +40,7 @@ def train(train_py, strategy: str, run_dir: Path) -> dict[str, torch.Tensor]:
         cwd=run_dir,
     )
     (last,) = run_dir.rglob("last.ckpt")
-    checkpoint = torch.load(last, map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(last)
     assert checkpoint["global_step"] == 4
     return {k: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
 

@@ -24,6 +24,7 @@ from strategy_workers import (
 )
 
 import strategies  # noqa: F401  (registers the strategy names)
+from lm_systems.files.checkpoint_io import read_checkpoint
 from lm_systems.parallel.bucketed import ACROSS_HOSTS_BUCKET_MB, ONE_HOST_BUCKET_MB
 
 STRATEGIES = ["naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "bucketed_ddp+no_thread"]
@@ -143,7 +144,7 @@ def test_zero1_ranks_hold_state_only_for_their_shard(runs):
 @pytest.mark.slow
 def test_zero1_resumes_from_its_consolidated_checkpoint(runs, out_dir):
     """Stopped after epoch 0 and resumed from its checkpoint: the uninterrupted run's trajectory."""
-    saved = torch.load(zero1_epoch0_checkpoint(out_dir), weights_only=False)
+    saved = read_checkpoint(zero1_epoch0_checkpoint(out_dir))
     (optimizer_state,) = saved["optimizer_states"]
     assert len(optimizer_state["state"]) == 3, "one consolidated state for every trainable parameter"
     for rank in range(2):

@@ -23,6 +23,7 @@ from strategy_workers import (
 )
 
 import strategies
+from lm_systems.files.checkpoint_io import SafeCheckpointIO, read_checkpoint
 from strategies.zero3 import resolve_compute_dtype
 
 CLIP = ENGAGED_CLIP  # every step clips, by the norm over all ranks' shards (the other strategies' tests: never)
@@ -75,7 +76,7 @@ def test_teardown_removes_hooks_and_unwraps(runs):
 
 
 def test_checkpoint_holds_full_weights_and_the_plain_optimizer_state(runs, out_dir):
-    saved = torch.load(epoch0_checkpoint(out_dir, "zero3"), weights_only=False)
+    saved = read_checkpoint(epoch0_checkpoint(out_dir, "zero3"))
     shapes = {name: value.shape for name, value in TinyLM().state_dict().items()}
     assert {name: value.shape for name, value in saved["state_dict"].items()} == shapes
     (optimizer_state,) = saved["optimizer_states"]
@@ -93,7 +94,9 @@ def test_resumes_from_its_checkpoint_on_two_ranks(runs):
 
 
 def test_resumes_from_its_checkpoint_on_one_process_without_sharding(runs, out_dir):
-    trainer = make_trainer("auto", 1, str(out_dir), "resumed_single", clip=CLIP, enable_checkpointing=False)
+    trainer = make_trainer(
+        "auto", 1, str(out_dir), "resumed_single", clip=CLIP, enable_checkpointing=False, plugins=[SafeCheckpointIO()]
+    )  # SafeCheckpointIO reads zero3's checkpoint directory whole
     trainer.fit(TinyLM(), datamodule=TinyData(), ckpt_path=str(epoch0_checkpoint(out_dir, "zero3")))
     (result,) = load_ranks(out_dir, "resumed_single", ranks=1)
     assert_state_close(result["final"], runs["zero3"][0]["final"])
@@ -160,6 +163,6 @@ def test_train_py_trains_on_two_spawned_cpu_processes(tmp_path, train_py):
     for name, value in ranks[0]["final"].items():
         assert torch.equal(value, ranks[1]["final"][name]), name
     (checkpoint,) = tmp_path.rglob("step=8.ckpt")
-    saved = torch.load(checkpoint, weights_only=False)
+    saved = read_checkpoint(checkpoint)
     for name, value in saved["state_dict"].items():  # full weights, as the unwrapped module holds them
         assert torch.equal(value, ranks[0]["final"][name]), name

@@ -1,0 +1,136 @@
+"""Checkpoint directories (torch.distributed.checkpoint): a two-process zero3 run writes each epoch's checkpoint from
+both ranks, in the background; it is read back whole, and resumed on one process under zero3, fsdp2, zero1,
+bucketed_ddp and the default strategy, each starting from exactly the state the two processes saved (compared with
+that state gathered by zero3's own one-file path, bit for bit); consolidated into one file, which resumes too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.distributed as dist
+from checkpoint_dir_workers import UnitsTinyLM, save_under_zero3
+from strategy_workers import STEPS_PER_EPOCH, TinyData
+from torch.distributed.tensor import DTensor
+
+import strategies
+from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_whole
+from lm_systems.files.checkpoint_io import SafeCheckpointIO
+from lm_systems.files.consolidate import main as consolidate_main
+from lm_systems.parallel import ShardedOptimizer
+
+SAVED_STEP = STEPS_PER_EPOCH  # the first epoch's checkpoint
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, spawn_two_ranks) -> Path:
+    out_dir = tmp_path_factory.mktemp("zero3_directories")
+    spawn_two_ranks(save_under_zero3, out_dir)
+    return out_dir
+
+
+def directory(out_dir: Path, step: int) -> Path:
+    return out_dir / "ckpt" / f"epoch={step // STEPS_PER_EPOCH - 1}-step={step}.ckpt"
+
+
+def full_state(out_dir: Path, step: int) -> dict:
+    return torch.load(out_dir / f"full_step{step}.pt", weights_only=False)
+
+
+def assert_equal_tensors(actual: dict, expected: dict, where: str) -> None:
+    assert actual.keys() == expected.keys(), where
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), f"{where}[{key!r}] differs"
+
+
+def assert_same_optimizer_state(actual: dict, expected: dict) -> None:
+    assert actual["state"].keys() == expected["state"].keys()
+    for index, state in expected["state"].items():
+        assert_equal_tensors(actual["state"][index], state, f"optimizer state of parameter {index}")
+    assert actual["param_groups"] == expected["param_groups"]
+
+
+def test_each_rank_writes_its_own_files_and_the_directory_reads_back_whole(saved):
+    for step in (SAVED_STEP, 2 * SAVED_STEP):
+        path = directory(saved, step)
+        assert is_checkpoint_dir(path)
+        assert {p.name.split("_")[2] for p in path.glob("__*_*.distcp")} == {"0", "1"}, "both ranks wrote"
+        whole, expected = read_whole(path), full_state(saved, step)
+        assert whole["global_step"] == expected["global_step"] == step
+        assert_equal_tensors(whole["state_dict"], expected["state_dict"], "state_dict")
+        (optimizer,) = whole["optimizer_states"]
+        assert_same_optimizer_state(optimizer, expected["optimizer"])
+    assert not list((saved / "ckpt").glob("*.tmp-*")), "every temporary directory was renamed"
+
+
+class StateAtTrainStart(L.Callback):
+    """What the resumed run starts from, after Lightning restored the checkpoint: full weights and optimizer state."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        state = optimizer.local_state_dict() if isinstance(optimizer, ShardedOptimizer) else optimizer.state_dict()
+        self.state_dict = {name: _full(value) for name, value in pl_module.state_dict().items()}
+        self.optimizer = {
+            "state": {i: {k: _full(v) for k, v in values.items()} for i, values in state["state"].items()},
+            "param_groups": state["param_groups"],
+        }
+        self.global_step = trainer.global_step
+        self.lr_scheduler = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A copy (on one process, a DTensor's full tensor is its local one, which training goes on to change)."""
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+
+
+@pytest.fixture
+def one_process():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def resume(strategy, path: Path, tmp_path: Path) -> StateAtTrainStart:
+    probe = StateAtTrainStart()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=SAVED_STEP + 1,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[probe],
+        plugins=[SafeCheckpointIO()],
+        default_root_dir=tmp_path,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(UnitsTinyLM(), datamodule=TinyData(), ckpt_path=str(path))
+    assert trainer.global_step == SAVED_STEP + 1
+    return probe
+
+
+def assert_resumed_from(probe: StateAtTrainStart, expected: dict) -> None:
+    assert probe.global_step == expected["global_step"]
+    assert_equal_tensors(probe.state_dict, expected["state_dict"], "state_dict")
+    assert_same_optimizer_state(probe.optimizer, expected["optimizer"])
+    assert probe.lr_scheduler["last_epoch"] == expected["lr_scheduler"]["last_epoch"]
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp2", "zero1", "bucketed_ddp", "auto"])
+def test_two_processes_directory_resumes_on_one_under_every_strategy(strategy, saved, tmp_path, one_process):
+    probe = resume(strategy, directory(saved, SAVED_STEP), tmp_path)
+    assert_resumed_from(probe, full_state(saved, SAVED_STEP))
+
+
+def test_consolidated_into_one_file_it_resumes_a_sharded_strategy(saved, tmp_path, one_process, capsys):
+    out = tmp_path / "consolidated.ckpt"
+    consolidate_main([str(directory(saved, SAVED_STEP)), str(out)])
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert out.is_file() and not is_checkpoint_dir(out)
+    probe = resume(strategies.Zero3Strategy(checkpoint_format="file"), out, tmp_path)
+    assert_resumed_from(probe, full_state(saved, SAVED_STEP))

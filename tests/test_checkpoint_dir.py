@@ -1,0 +1,218 @@
+"""Checkpoint directories written by one process (gloo, world size 1): an asynchronous save is named, and linked as
+the newest, only once whole, from a copy taken when it was asked for; a kill -9 mid-save leaves the previous
+checkpoint named the newest, and a resume from it continues; a disk too small is refused before anything is
+written; the files hold the state's bytes and little more."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from torch.distributed.checkpoint import FileSystemWriter
+
+import strategies
+from lm_systems.errors import RunError
+from lm_systems.files import checkpoint_dir
+from lm_systems.files.checkpoint_dir import CheckpointDirWriter, is_checkpoint_dir, read_whole
+from lm_systems.files.checkpoint_io import SafeCheckpointIO
+from lm_systems.files.checkpointing import StepCheckpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def group():
+    """A one-process default group, and the gloo group a writer coordinates its saves over."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{find_free_network_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        yield dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
+    finally:
+        dist.destroy_process_group()
+
+
+def a_checkpoint(rows: int = 4) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    weights = {f"layer{i}.weight": torch.randn(rows, 1024, generator=generator) for i in range(4)}
+    state = {i: {"exp_avg": torch.randn(rows, 1024, generator=generator), "step": torch.tensor(3.0)} for i in range(4)}
+    return {
+        "global_step": 3,
+        "state_dict": weights,
+        "optimizer_states": [{"state": state, "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}]}],
+    }
+
+
+def copied(checkpoint: dict) -> dict:
+    return {
+        "state_dict": {k: v.clone() for k, v in checkpoint["state_dict"].items()},
+        "optimizer": {
+            i: {k: v.clone() for k, v in s.items()} for i, s in checkpoint["optimizer_states"][0]["state"].items()
+        },
+    }
+
+
+def test_an_asynchronous_save_is_named_and_linked_only_once_whole(group, tmp_path, monkeypatch):
+    release, finishing = threading.Event(), threading.Event()
+    finish = FileSystemWriter.finish
+
+    def held_finish(self, *args, **kwargs):  # every rank's data is written; the metadata is next
+        finishing.set()
+        assert release.wait(60)
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "finish", held_finish)
+    writer = CheckpointDirWriter(group, asynchronous=True)
+    checkpoint = a_checkpoint()
+    expected = copied(checkpoint)
+    path, published = tmp_path / "step=3.ckpt", []
+    writer.save(checkpoint, path)
+    for tensor in checkpoint["state_dict"].values():
+        tensor.add_(1.0)  # training goes on: the save holds the values it was asked for
+    writer.when_published(path, lambda: published.append(path.exists()))
+    assert finishing.wait(60)
+    assert not path.exists() and not published, "named before whole"
+    (temporary,) = tmp_path.glob("step=3.ckpt.tmp-*")
+    release.set()
+    writer.wait()
+    assert published == [True] and is_checkpoint_dir(path) and not temporary.exists()
+    whole = read_whole(path)
+    assert whole["global_step"] == 3
+    for name, value in expected["state_dict"].items():
+        assert torch.equal(whole["state_dict"][name], value), name
+    for index, state in expected["optimizer"].items():
+        for key, value in state.items():
+            assert torch.equal(whole["optimizer_states"][0]["state"][index][key], value), (index, key)
+
+
+def test_the_files_hold_the_states_bytes_within_5_percent(group, tmp_path):
+    checkpoint = a_checkpoint(rows=64)  # 2 MB of tensors
+    own = sum(t.numel() * t.element_size() for t in checkpoint["state_dict"].values())
+    own += sum(
+        t.numel() * t.element_size() for s in checkpoint["optimizer_states"][0]["state"].values() for t in s.values()
+    )
+    CheckpointDirWriter(group, asynchronous=False).save(checkpoint, tmp_path / "step=3.ckpt")
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "step=3.ckpt").iterdir())
+    assert own <= on_disk <= 1.05 * own, (on_disk, own)
+
+
+def test_a_disk_too_small_is_refused_in_one_line_before_anything_is_written(group, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_dir, "free_bytes", lambda path: 1000)
+    with pytest.raises(RunError) as error:
+        CheckpointDirWriter(group).save(a_checkpoint(), tmp_path / "step=3.ckpt")
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"needs {4 * 2 * 4 * 1024 * 4 + 4 * 4:,} bytes" in message and "has 1,000 free" in message, message
+    assert "--trainer.default_root_dir" in message
+    assert not list(tmp_path.iterdir()), "nothing written"
+
+
+KILLED_MID_SAVE = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import lightning.pytorch as L
+    from torch.distributed.checkpoint import FileSystemWriter
+    import strategies
+    from lm_systems.files.checkpoint_io import SafeCheckpointIO
+    from lm_systems.files.checkpointing import StepCheckpoint
+    from random_windows import RandomWindowsLM
+
+    folder, marker = Path(sys.argv[1]), Path(sys.argv[2])
+
+    class StallTheSecondSave(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:  # before StepCheckpoint saves step 2: its data written, its metadata never
+                def stalled(writer, *args, **kwargs):
+                    marker.touch()
+                    time.sleep(600)
+                FileSystemWriter.finish = stalled
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategies.Zero3Strategy(), max_steps=4, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[StallTheSecondSave(), StepCheckpoint(1, dirpath=str(folder))], plugins=[SafeCheckpointIO()],
+    )
+    trainer.fit(RandomWindowsLM())
+    """
+)
+
+
+class StartStep(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.step = trainer.global_step
+
+
+@pytest.fixture
+def killed_mid_save(tmp_path) -> Path:
+    """The checkpoint folder of a zero3 run saving every step, killed (-9) while its step 2 was being written."""
+    folder, marker = tmp_path / "checkpoints", tmp_path / "writing"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_SAVE, str(folder), str(marker)],
+        env=environment,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert child.poll() is None, child.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the second save never started"
+            time.sleep(0.2)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        child.stderr.close()
+    return folder
+
+
+@pytest.mark.slow  # a run in a subprocess, then a resume
+def test_a_kill_mid_save_leaves_the_previous_checkpoint_the_newest_and_a_resume_continues(killed_mid_save):
+    folder = killed_mid_save
+    assert os.readlink(folder / "last.ckpt") == "step=1.ckpt" and is_checkpoint_dir(folder / "step=1.ckpt")
+    assert not (folder / "step=2.ckpt").exists(), "a partial checkpoint under its own name"
+    (temporary,) = folder.glob("step=2.ckpt.tmp-*")
+    an_hour_ago = time.time() - 3600
+    os.utime(temporary, (an_hour_ago, an_hour_ago))
+    start = StartStep()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategies.Zero3Strategy(),
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[start, StepCheckpoint(1, dirpath=str(folder))],
+        plugins=[SafeCheckpointIO()],
+    )
+    from random_windows import RandomWindowsLM
+
+    try:
+        trainer.fit(RandomWindowsLM(), ckpt_path=str(folder / "last.ckpt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert start.step == 1 and trainer.global_step == 3
+    assert not temporary.exists(), "the killed save's directory is removed by the next run"
+    assert os.readlink(folder / "last.ckpt") == "step=3.ckpt"
+    assert read_whole(folder / "last.ckpt")["global_step"] == 3
