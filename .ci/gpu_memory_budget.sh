@@ -2,8 +2,9 @@
 # The memory-budget recompute policy on ONE CUDA GPU (an H200: 139.8 GiB), through train.py, the 8B model of
 # configs/leaderboard_8b.yaml at batch 1 × 32,768 (bf16-true, compiled, full parameters, gradients and AdamW state on
 # the one GPU; about 1 min 45 s to the first step):
-#   budget        keep_attention (the config's) against auto at --model.memory_budget 0.9, one run each, interleaved
-#                 (keep_attention, auto): s a step and peak allocated / reserved per run        (about 5 min)
+#   budget        keep_attention (the config's) against auto at --model.memory_budget $BUDGET (0.9 without it), one
+#                 run each, interleaved (keep_attention, auto): s a step and peak allocated / reserved per run
+#                 (about 5 min)
 #   oom           --model.activation_checkpointing none runs out of memory: exit 1, one error line, no traceback
 #                                                                                               (about 2.5 min)
 #   torch_budget  torch's own partitioner budget instead: none + torch._functorch.config.activation_memory_budget
@@ -16,6 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_NAME=gpu_memory_budget_out source .ci/gpu_stages.sh  # $OUT; the wheels the GPU image lacks; record_versions; run
 STAGES=("${@:-budget}")
+BUDGET=${BUDGET:-0.9}  # --model.memory_budget of the budget stage's auto run
 record_versions
 export PYTHONPATH=.
 
@@ -25,14 +27,15 @@ EIGHT_B=(-c configs/leaderboard_8b.yaml --trainer.devices 1 --trainer.strategy a
 step8b() {  # step8b NAME LIMIT STEPS FLAGS...: one train.py run of the 8B; its speed and memory lines to summary.txt
     local name=$1 limit=$2 steps=$3; shift 3
     run "$name" "$limit" timeout -k 15 "$((limit - 20))" python train.py "${EIGHT_B[@]}" --trainer.max_steps "$steps" "$@"
-    grep -E "activation checkpointing auto|speed|memory" "$OUT/$name.log" | sed "s/^/$name: /" | tee -a "$OUT/summary.txt"
+    grep -E "activation checkpointing auto|speed|memory|^error" "$OUT/$name.log" | sed "s/^/$name: /" \
+        | tee -a "$OUT/summary.txt"
 }
 
 for stage in "${STAGES[@]}"; do
     case $stage in
     budget)
         step8b keep_attention 160 4
-        step8b auto_0.9 160 4 --model.activation_checkpointing auto --model.memory_budget 0.9
+        step8b "auto_$BUDGET" 160 4 --model.activation_checkpointing auto --model.memory_budget "$BUDGET"
         ;;
     oom)
         step8b oom_none 160 2 --model.activation_checkpointing none
