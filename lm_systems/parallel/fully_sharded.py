@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -92,7 +93,10 @@ class FullyShardedDataParallel(DataParallelModule):
         }
         self._replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in self._sharded]
         self._presence = GradPresence(self._replicated, process_group) if self._replicated else None
-        self._schedule = UnitSchedule(self._units, compute_dtype, prefetch, lambda: self.require_backward_grad_sync)
+        container = weakref.ref(self)  # the units' hooks hold the schedule: it must not hold the container
+        self._schedule = UnitSchedule(
+            self._units, compute_dtype, prefetch, lambda: getattr(container(), "require_backward_grad_sync", False)
+        )
         for unit in self._units:
             self._add_hook(
                 unit.module.register_forward_pre_hook(self._schedule.pre_forward_hook(unit), with_kwargs=True)
@@ -100,6 +104,7 @@ class FullyShardedDataParallel(DataParallelModule):
             self._add_hook(unit.module.register_forward_hook(self._schedule.post_forward_hook(unit)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_open()
         self._schedule.start_forward()
         return self.module(*args, **kwargs)
 
@@ -241,9 +246,14 @@ class FullyShardedDataParallel(DataParallelModule):
                 for module, name in param.slots:
                     set_module_parameter(module, name, restored)
         self._units, self._sharded = [], {}
-        self._schedule.units = self._units  # a later forward or end of backward has no unit left to free
+        self._schedule.forget_units()
         self._replicated = [p for p in self.module.parameters() if p.requires_grad]
         self._presence = GradPresence(self._replicated, self.process_group) if self._replicated else None
+
+    def close(self) -> None:
+        """``remove_hooks`` (a collective: the module gets its full parameters back), then drop the process group."""
+        super().close()
+        self._presence = None
 
 
 def _outermost(

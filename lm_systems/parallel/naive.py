@@ -25,6 +25,10 @@ class NaiveDDP(DataParallelModule):
         self._params = self.trainable_parameters()
         self._presence = GradPresence(self._params, self.process_group)
 
+    def close(self) -> None:
+        super().close()
+        self._presence = None
+
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         if not self._params:

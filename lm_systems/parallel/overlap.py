@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -39,6 +40,8 @@ class OverlappedDDP(DataParallelModule):
         self._units = units
         device = units[0][0].device if units else torch.device("cpu")
         self._launcher = LaunchThread(device) if launch_thread else None
+        # Stops the thread when the container is closed or, left unclosed, freed.
+        self._stop_launcher = weakref.finalize(self, self._launcher.close) if launch_thread else None
         self._params = [p for unit in units for p in unit]
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._presence = GradPresence(self._params, process_group)
@@ -54,7 +57,7 @@ class OverlappedDDP(DataParallelModule):
         flat_index = 0
         for u, unit in enumerate(units):
             for param in unit:
-                hook = partial(self._on_grad_accumulated, u, flat_index)
+                hook = self._weak_hook(self._on_grad_accumulated, u, flat_index)
                 self._add_hook(param.register_post_accumulate_grad_hook(hook))
                 flat_index += 1
 
@@ -198,9 +201,15 @@ class OverlappedDDP(DataParallelModule):
                     param.grad = self._zeros.pop((u, i))  # averaged in place by the unit's wait
 
     def remove_hooks(self) -> None:
+        """Detach the container from its parameters' hooks and stop its launch thread (after the launches queued)."""
         super().remove_hooks()
-        if self._launcher is not None:
-            self._launcher.close()
+        if self._stop_launcher is not None:
+            self._stop_launcher()
+
+    def close(self) -> None:
+        super().close()
+        self._presence = None
+        self._works = [None] * len(self._units)
 
     def _reset(self) -> None:
         self._works = [None] * len(self._units)

@@ -69,7 +69,20 @@ class ShardedOptimizer(StagedOptimizer):
         # Every rank's parameters of each stage, in param_groups order (the exchange's order on every rank).
         self._stage_params: list[list[torch.Tensor]] = [[] for _ in range(exchange_stages)]
         self._consolidated: dict[str, Any] | None = None
+        self._closed = False
         super().__init__(params, optimizer_cls, exchange_stages, **kwargs)
+
+    def __enter__(self) -> ShardedOptimizer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the process group, so that nothing of it outlives the optimizer's use once the caller destroys it; a
+        later ``step`` raises. ``state_dict``, ``load_state_dict`` and the stepped parameters stay as they are."""
+        self._group = None
+        self._closed = True
 
     # -- sharding ----------------------------------------------------------------------------
 
@@ -108,6 +121,8 @@ class ShardedOptimizer(StagedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._closed:
+            raise RuntimeError("this ShardedOptimizer was closed (its process group dropped): build a new one to step")
         loss = self.prepare_step(closure)
         works: list[dist.Work] = []
         for stage, optimizer in enumerate(self._stages):

@@ -153,6 +153,13 @@ class UnitSchedule:
             unit.free()
         self._end_of_backward_queued = False
 
+    def forget_units(self) -> None:
+        """Hold no unit any more (the container unwrapped its module): a later forward or end of backward has none to
+        free, and the units, with the process group they hold, go once nothing else holds them."""
+        self.units, self._forward_order, self._predicted = [], [], []
+        self._awaiting_backward.clear()
+        self._reductions.clear()
+
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters still in flight; their means land in the shards' ``.grad``."""
         while self._reductions:
