@@ -89,7 +89,7 @@ def measure(run: Run, batch: torch.Tensor, args: argparse.Namespace, held_before
         step(batch, lambda: (synchronize(device), marks.append(time.perf_counter())))
         for name, a, b in zip(PHASES, marks, marks[1:]):
             phases[name].append(b - a)
-    run.detach()
+    run.close()
     state = run.optimizer.state  # a ShardedOptimizer's is its shard's
     return {
         "step_s": statistics.median(step_times),
@@ -134,7 +134,7 @@ def time_pair(runs: list[Run | None], batch: torch.Tensor, args: argparse.Namesp
                 times[which].append(elapsed.item())
     for run in runs:
         if run is not None:
-            run.detach()
+            run.close()
     return times
 
 

@@ -90,6 +90,13 @@ class Zero1Strategy(BucketedDDPStrategy):
             else:  # a parameter no optimizer holds still counts in the norm, once: rank 0 takes it
                 self.model.clip_only_owned(_owner_lookup(sharded, default=0))
 
+    @override
+    def teardown(self) -> None:
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, ShardedOptimizer):
+                optimizer.close()  # before the strategy destroys the group it holds
+        super().teardown()
+
     def _shard(self, optimizer: Optimizer) -> ShardedOptimizer:
         if isinstance(optimizer, ShardedOptimizer):
             return optimizer
