@@ -351,7 +351,7 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
         )
         print(f"  {setup.spec} failed ({run.error}); its output ends:\n    " + "\n    ".join(tail), flush=True)
         return run
-    run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records))]
+    run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records), strict=True)]
     run.peak_GiB = [r["peak_GiB"] for r in sorted(records, key=lambda r: r["rank"])]
     run.first_timed_s = max(r["timed_from_unix"] for r in records) - launched
     run.mfu = model_flops_utilisation(records[0], run.ms)
@@ -408,7 +408,7 @@ def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
         visits = [run for run in runs if run.config == config]
         by_round = {(run.round, run.setup.spec): run for run in visits}
 
-        def ratios(spec: str, base: str | None) -> list[float]:
+        def ratios(spec: str, base: str | None, by_round: dict = by_round) -> list[float]:
             pairs = [(by_round.get((r, spec)), by_round.get((r, base))) for r in range(args.rounds)]
             return [a.ms / b.ms for a, b in pairs if a and b and a.segment_ms and b.segment_ms]
 

@@ -362,7 +362,7 @@ def summary_rows(setup: Setup, measured: Rounds, vocab_size: int, device: torch.
                 peak_GiB=max(m.peak_gib for m in segments),
             )
         )
-    ratios = [a.ms_per_step / b.ms_per_step for a, b in zip(*runs.values())]
+    ratios = [a.ms_per_step / b.ms_per_step for a, b in zip(*runs.values(), strict=True)]
     memory = max(m.peak_gib for m in runs["train_py"]) / max(m.peak_gib for m in runs["plain"])
     return rows + [_median_row(setup.label, "train_py / plain", ratios, peak_GiB=memory)]
 
@@ -376,7 +376,9 @@ def attention_rows(setups: list[Setup], measured: dict[Setup, Rounds], attention
             plain = measured[same_shape].plain if same_shape in measured else {}
             for name in attentions[1:]:
                 ratios[name] += [
-                    a.ms_per_step / b.ms_per_step for a, b in zip(plain.get(name, []), plain.get(first, []))
+                    a.ms_per_step / b.ms_per_step
+                    # strict=False: an attention that was not run at this shape has no segments, hence no ratios
+                    for a, b in zip(plain.get(name, []), plain.get(first, []), strict=False)
                 ]
         rows += [
             _median_row(setup.shape_label, f"plain {name} / {first}", values)

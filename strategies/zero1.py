@@ -79,7 +79,7 @@ class Zero1Strategy(BucketedDDPStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         sharded = [self._shard(optimizer) for optimizer in self.optimizers]
-        for original, wrapped in zip(self.optimizers, sharded):
+        for original, wrapped in zip(self.optimizers, sharded, strict=True):
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is original:
                     config.scheduler.optimizer = wrapped
@@ -108,7 +108,7 @@ class Zero1Strategy(BucketedDDPStrategy):
             process_group=self._grad_group,
             **optimizer_init_kwargs(optimizer),
         )
-        if any(a is not b for a, b in zip(wrapped.param_groups, optimizer.param_groups)):
+        if any(a is not b for a, b in zip(wrapped.param_groups, optimizer.param_groups, strict=True)):
             raise RuntimeError(
                 "ShardedOptimizer did not adopt the optimizer's param-group dicts; schedulers would not reach it"
             )

@@ -124,6 +124,6 @@ class Zero3Strategy(ContainerDDPStrategy):
         if self._sharded is None:
             super().load_optimizer_state_dict(checkpoint)
             return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             self._sharded.load_full_optimizer_state_dict(optimizer, state)
             optimizer_to_device(optimizer, self.root_device)

@@ -132,7 +132,7 @@ def test_checkpoints_carry_the_model_config_and_tokenizer_for_generation(cache_d
     restored = LitLM.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
     assert restored.model.config == model.config
     for (name, weight), restored_weight in zip(
-        trained.model.state_dict().items(), restored.model.state_dict().values()
+        trained.model.state_dict().items(), restored.model.state_dict().values(), strict=True
     ):
         assert torch.equal(restored_weight, weight), name
 

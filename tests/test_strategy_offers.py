@@ -90,7 +90,7 @@ def test_clipping_in_the_step_leaves_the_gradients_and_returns_torchs_divisor(ma
     params = params_with_grads()
     before = [p.grad.clone() for p in params]
     norm, divisor = clip_grad_norm(LocalGradNorm(params), max_norm, in_step=True)
-    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True))
     torch.testing.assert_close(divisor, torch.clamp((norm + 1e-6) / max_norm, min=1.0))
     assert clip_grad_norm(LocalGradNorm(params), max_norm, in_step=False)[1] is None
 

@@ -85,7 +85,7 @@ class FullyShardedDataParallel(DataParallelModule):
                 )
         self._units = [
             ShardedUnit(unit, prefix, params, process_group, compute_dtype, grad_comm_dtype)
-            for (prefix, unit), params in zip(unit_modules, _assign_params(module, unit_modules))
+            for (prefix, unit), params in zip(unit_modules, _assign_params(module, unit_modules), strict=True)
             if params
         ]
         self._sharded: dict[int, tuple[ShardedUnit, ShardedParam]] = {
@@ -122,7 +122,7 @@ class FullyShardedDataParallel(DataParallelModule):
         self._presence.launch(local)
         self._averager.average(flat)
         chunks = flat.split([p.numel() for p in self._replicated])
-        for param, chunk, anywhere in zip(self._replicated, chunks, self._presence.wait()):
+        for param, chunk, anywhere in zip(self._replicated, chunks, self._presence.wait(), strict=True):
             param.grad = chunk.view_as(param).to(param.dtype) if anywhere else None
 
     # -- clipping ----------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class FullyShardedDataParallel(DataParallelModule):
         unit gathered at a time, moved to the CPU with ``offload_to_cpu``)."""
         full: dict[str, torch.Tensor] = {}
         for unit in self._units:
-            for param, value in zip(unit.params, unit.gather_masters()):
+            for param, value in zip(unit.params, unit.gather_masters(), strict=True):
                 for name in param.names:
                     full[name] = value.cpu() if offload_to_cpu else value
         ordered = {}
@@ -241,7 +241,7 @@ class FullyShardedDataParallel(DataParallelModule):
         for unit in self._units:
             unit.drop_prefetch()
             unit.free()
-            for param, value in zip(unit.params, unit.gather_masters()):
+            for param, value in zip(unit.params, unit.gather_masters(), strict=True):
                 restored = nn.Parameter(value, requires_grad=param.shard.requires_grad)
                 for module, name in param.slots:
                     set_module_parameter(module, name, restored)

@@ -165,7 +165,7 @@ class OverlappedDDP(DataParallelModule):
         self._reset()
 
     def _drop_unowned(self, unit: int) -> None:
-        for param, owner in zip(self._units[unit], self._owners[unit]):
+        for param, owner in zip(self._units[unit], self._owners[unit], strict=True):
             if owner != self.rank:
                 param.grad = None
 

@@ -95,7 +95,7 @@ class ShardedOptimizer(StagedOptimizer):
             self._load[rank] += param.numel()
         for rank in range(self.world_size):
             shard = [p for p in params if self._owner[id(p)] == rank]
-            for param, stage in zip(shard, cut_into_stages([p.numel() for p in shard], self._num_stages)):
+            for param, stage in zip(shard, cut_into_stages([p.numel() for p in shard], self._num_stages), strict=True):
                 self._stage_of[id(param)] = stage
         for param in params:
             self._stage_params[self._stage_of[id(param)]].append(param)
@@ -201,11 +201,11 @@ class ShardedOptimizer(StagedOptimizer):
         stage_states: list[dict[int, Any]] = [{} for _ in stages]
         stage_groups: list[list[dict[str, Any]]] = [[] for _ in stages]
         counts = [0 for _ in stages]  # each stage optimizer numbers its parameters 0, 1, ... over its groups
-        for group, saved in zip(self.param_groups, groups):
+        for group, saved in zip(self.param_groups, groups, strict=True):
             hyperparameters = {k: v for k, v in saved.items() if k != "params"}
             group.update(hyperparameters)
             indices: list[list[int]] = [[] for _ in stages]
-            for p, i in zip(group["params"], saved["params"]):
+            for p, i in zip(group["params"], saved["params"], strict=True):
                 if self._owner[id(p)] != self.rank:
                     continue
                 stage = self._stage_of[id(p)]
@@ -218,7 +218,7 @@ class ShardedOptimizer(StagedOptimizer):
         # Optimizer.load_state_dict replaces an optimizer's state dict object; keep the one ``self.state``
         # (and any wrapper that copied the attribute, like Lightning's LightningOptimizer) refers to.
         self.state.clear()
-        for optimizer, state, param_groups in zip(self._stages, stage_states, stage_groups):
+        for optimizer, state, param_groups in zip(self._stages, stage_states, stage_groups, strict=True):
             optimizer.load_state_dict({"state": state, "param_groups": param_groups})
             self.state.update(optimizer.state)
             optimizer.state = self.state

@@ -94,7 +94,7 @@ class UnitSchedule:
         needing = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if needing:
             marked = _PostBackward.apply(lambda: self._post_backward(unit), *(leaves[i] for i in needing))
-            for i, tensor in zip(needing, marked):
+            for i, tensor in zip(needing, marked, strict=True):
                 leaves[i] = tensor
 
     def post_forward_hook(self, unit: ShardedUnit):
