@@ -11,7 +11,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lm_systems.parallel import DataParallelModule, ShardedOptimizer, optimizer_init_kwargs
+from lm_systems.parallel import DataParallelModule, OwnedGradients, ShardedOptimizer, optimizer_init_kwargs
 from lm_systems.parallel.sharded_optimizer import Exchange
 from strategies.data_parallel import BucketedDDPStrategy
 from strategies.sharded_grad_scaler import agree_on_overflow
@@ -86,9 +86,9 @@ class Zero1Strategy(BucketedDDPStrategy):
         self.optimizers = sharded
         if isinstance(self.model, DataParallelModule):
             if self._grad_reduce == "owner":
-                self.model.reduce_to_owners(_owner_lookup(sharded))
+                self.model.assign_owners(OwnedGradients(_owner_lookup(sharded), reduce_to_owner=True))
             else:  # a parameter no optimizer holds still counts in the norm, once: rank 0 takes it
-                self.model.clip_only_owned(_owner_lookup(sharded, default=0))
+                self.model.assign_owners(OwnedGradients(_owner_lookup(sharded, default=0), reduce_to_owner=False))
 
     @override
     def teardown(self) -> None:
