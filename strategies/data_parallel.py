@@ -60,11 +60,10 @@ from lm_systems.parallel import (
     gradient_process_group,
     runs_within_buckets,
 )
-from lm_systems.training.strategy_offers import GlobalGradNorm, LocalGradNorm
+from lm_systems.training.strategy_offers import COMM_DTYPES, GlobalGradNorm, LocalGradNorm
 from strategies.sigterm import HostSigtermStrategy
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):

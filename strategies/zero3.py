@@ -16,8 +16,8 @@ from typing_extensions import override
 
 from lm_systems.compat.lightning import optimizer_to_device
 from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
-from lm_systems.training.strategy_offers import ShardingUnits
-from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
+from lm_systems.training.strategy_offers import COMM_DTYPES, ShardingUnits
+from strategies.data_parallel import ContainerDDPStrategy
 from strategies.sharded_grad_scaler import agree_on_overflow
 
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
