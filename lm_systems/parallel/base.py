@@ -121,12 +121,12 @@ class DataParallelModule(nn.Module, ABC):
         """A hook calling ``method`` (one of this container's) with ``bound`` before the hook's own arguments, holding
         the container weakly: a hook left on a parameter does not keep the container, and the process group it
         holds, alive after its last use."""
-        container = weakref.WeakMethod(method)
+        container, function = weakref.ref(self), method.__func__  # a WeakMethod call costs twice as much
 
         def hook(*args: Any) -> None:
             live = container()
             if live is not None:
-                live(*bound, *args)
+                function(live, *bound, *args)
 
         return hook
 
