@@ -6,7 +6,6 @@ imports them."""
 
 from __future__ import annotations
 
-import gc
 import sys
 from typing import Any, Optional
 
@@ -37,8 +36,3 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> Any:
 
 if __name__ == "__main__":
     run_with_help_cache(sys.argv[1:], main)
-    # The run's trainer, strategy and model hold one another in cycles that only the collector frees, and with them
-    # the process group (zero3's units hold it): freed now, while the interpreter is whole, the group goes with
-    # Lightning's exit hook (destroy_process_group), not in the interpreter's teardown, where finished two-process
-    # gloo runs have now and then aborted (SIGABRT, "terminate called without an active exception").
-    gc.collect()

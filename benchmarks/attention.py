@@ -184,7 +184,7 @@ def flash_sweep(args: argparse.Namespace) -> None:
     try:
         for dtype in args.flash_dtypes:
             for d in args.flash_head_dims:
-                for n, n_q in ((n, n_q) for n in args.flash_seq_lens for n_q in (n, n // 4)):
+                for n, n_q in ((n_k, n_q) for n_k in args.flash_seq_lens for n_q in (n_k, n_k // 4)):
                     q, k, v = _qkv(1, 1, n_q, n, d, DTYPES[dtype])
                     for name, fn in impls.items():
                         skip = name == "flash_torch" and n_q * n > FLASH_TORCH_MAX_PAIRS

@@ -19,6 +19,7 @@ per step over the adjacent A's, so slower drift cancels; for ``single:X``, 1 / B
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from typing import Iterator
@@ -86,10 +87,10 @@ def measure(run: Run, batch: torch.Tensor, args: argparse.Namespace, held_before
     for _ in range(args.instrumented_steps):
         synchronize(device)
         marks = [time.perf_counter()]
-        step(batch, lambda: (synchronize(device), marks.append(time.perf_counter())))
-        for name, a, b in zip(PHASES, marks, marks[1:]):
+        step(batch, lambda marks=marks: (synchronize(device), marks.append(time.perf_counter())))
+        for name, (a, b) in zip(PHASES, itertools.pairwise(marks), strict=True):
             phases[name].append(b - a)
-    run.detach()
+    run.close()
     state = run.optimizer.state  # a ShardedOptimizer's is its shard's
     return {
         "step_s": statistics.median(step_times),
@@ -127,20 +128,20 @@ def time_pair(runs: list[Run | None], batch: torch.Tensor, args: argparse.Namesp
         for which in (0, 1) if i % 2 == 0 else (1, 0):
             dist.barrier()
             turn = [steps[which]] * args.steps_per_turn if steps[which] is not None else []
-            seconds = timed(lambda: [step(batch) for step in turn], batch.device)
+            seconds = timed(lambda turn=turn: [step(batch) for step in turn], batch.device)
             elapsed = torch.tensor([seconds / args.steps_per_turn], dtype=torch.float64, device=batch.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= args.warmup:
                 times[which].append(elapsed.item())
     for run in runs:
         if run is not None:
-            run.detach()
+            run.close()
     return times
 
 
 def pair_row(names: tuple[str, str], times: tuple[list[float], list[float]]) -> dict:
     a, b = times
-    ratios = sorted(tb / ta for ta, tb in zip(a, b))
+    ratios = sorted(tb / ta for ta, tb in zip(a, b, strict=True))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     return {
         "A": names[0],

@@ -90,7 +90,7 @@ class Run:
     model: torch.nn.Module  # what forward is called on
     optimizer: torch.optim.Optimizer
     finish: Callable[[], None] = lambda: None  # the gradient sync left after backward
-    detach: Callable[[], None] = lambda: None  # removes the container's hooks
+    close: Callable[[], None] = lambda: None  # closes the container: hooks off, launch thread stopped
 
 
 def build(variant: Variant, config: ModelConfig, device: torch.device, group: dist.ProcessGroup | None) -> Run:
@@ -116,7 +116,7 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, group: di
     if base == "zero1":
         stages = {} if variant.exchange_stages is None else {"exchange_stages": variant.exchange_stages}
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, **stages, **adamw)
-    return Run(container, optimizer, container.finish_gradient_synchronization, container.remove_hooks)
+    return Run(container, optimizer, container.finish_gradient_synchronization, container.close)
 
 
 def make_step(run: Run, device: torch.device) -> Callable[..., None]:

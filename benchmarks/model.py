@@ -196,7 +196,7 @@ def run_isolated(args: argparse.Namespace) -> list[dict]:
     swept = ("sizes", "attention", "context_lengths", "precisions", "modes", "warmup_steps")  # run_cases' order
     rows = []
     for values in itertools.product(*(getattr(args, name) for name in swept)):
-        one = argparse.Namespace(**{**vars(args), **{name: [value] for name, value in zip(swept, values)}})
+        one = argparse.Namespace(**{**vars(args), **{name: [value] for name, value in zip(swept, values, strict=True)}})
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             rows += pool.submit(run_cases, one).result()
     return rows

@@ -139,7 +139,7 @@ def line_plot(
         drawn = [r for r in rows if isinstance(r.get(y), (int, float))]
         names = list(dict.fromkeys(_key(r, panels) for r in drawn))
         fig, axes = plt.subplots(1, len(names), figsize=(1 + 4.5 * len(names), 4), squeeze=False)
-        for ax, name in zip(axes[0], names):
+        for ax, name in zip(axes[0], names, strict=True):
             in_panel = [r for r in drawn if _key(r, panels) == name]
             for label in dict.fromkeys(_key(r, series) for r in in_panel):
                 line = [r for r in in_panel if _key(r, series) == label]

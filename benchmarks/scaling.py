@@ -47,194 +47,23 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import lightning.pytorch as L
-import torch
-from lightning.pytorch.callbacks import Callback
-from typing_extensions import override
-
 from benchmarks import gpu_timeline
 from benchmarks.report import argument_parser, write_results
+from benchmarks.scaling_setups import Config, Setup
+from benchmarks.train_py_command import CLIP, LR, REPO, TrainPyRun, train_py_command
 from lm_systems.attention.tuning import CACHE_ENV
-from lm_systems.compat.lightning import compute_dtype
 from lm_systems.model.config import MODEL_SIZES
-from lm_systems.profiling.hardware import peak_flops
 
-REPO = Path(__file__).resolve().parents[1]
-STRATEGY_CLASSES = {
-    "ddp": "lightning.pytorch.strategies.DDPStrategy",
-    "naive_ddp": "strategies.NaiveDDPStrategy",
-    "overlap_ddp": "strategies.OverlapDDPStrategy",
-    "bucketed_ddp": "strategies.BucketedDDPStrategy",
-    "zero1": "strategies.Zero1Strategy",
-    "zero3": "strategies.Zero3Strategy",
-    "fsdp2": "strategies.FSDP2Strategy",
-}
-BUCKET_ARGS = {"ddp": "bucket_cap_mb", "bucketed_ddp": "bucket_size_mb", "zero1": "bucket_size_mb"}
-# One optimisation recipe for every setup.
-LR, WARMUP_STEPS, CLIP = 3e-4, 5, 1.0
 TIMELINE_NOTES = (
     "--trace-steps steps after the timed segments, traced by torch.profiler (device activity) on "
     "each rank, per step: benchmarks/gpu_timeline.py says what each column counts."
 )
-
-
-class WindowTimer(Callback):
-    """Times ``segments`` segments of ``steps`` optimizer steps after ``warmup`` untimed ones, synchronising the
-    device only at segment boundaries; writes ``rank{r}.json`` (segment milliseconds per step, peak GiB) to
-    ``out_dir``. With ``trace_steps``, torch.profiler then records that many more steps (the device's activity:
-    kernels, copies and the CUDA runtime's calls) into ``trace_rank{r}.json.gz``, outside the timed segments."""
-
-    def __init__(self, out_dir: str, warmup: int, steps: int, segments: int, trace_steps: int = 0) -> None:
-        super().__init__()
-        self._out_dir, self._warmup, self._steps, self._segments = Path(out_dir), warmup, steps, segments
-        self._trace_steps = trace_steps
-        self._segment_ms: list[float] = []
-        self._started = 0.0
-        self._timed_from_unix = 0.0
-        self._profiler: torch.profiler.profile | None = None
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self._time(trainer)
-        if self._trace_steps:
-            self._trace(trainer)
-
-    def _time(self, trainer: L.Trainer) -> None:
-        step = trainer.global_step
-        if step < self._warmup or (step - self._warmup) % self._steps or len(self._segment_ms) == self._segments:
-            return
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        now = time.perf_counter()
-        if step == self._warmup:
-            self._timed_from_unix = time.time()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-        else:
-            self._segment_ms.append(1e3 * (now - self._started) / self._steps)
-            if len(self._segment_ms) == self._segments:
-                self._write(trainer, device)
-        self._started = time.perf_counter()
-
-    def _trace(self, trainer: L.Trainer) -> None:
-        """Start the profiler where the timed segments end and stop it ``trace_steps`` steps later, the device
-        synchronised at both ends so that the trace spans whole steps. (The step count only grows: once stopped,
-        it never reads ``start`` again.)"""
-        start = self._warmup + self._steps * self._segments
-        step, device = trainer.global_step, trainer.strategy.root_device
-        starting = self._profiler is None and step == start
-        stopping = self._profiler is not None and step == start + self._trace_steps
-        if not (starting or stopping):
-            return
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if starting:
-            activity = torch.profiler.ProfilerActivity
-            self._profiler = torch.profiler.profile(
-                activities=[activity.CUDA if device.type == "cuda" else activity.CPU]
-            )
-            self._profiler.start()
-            return
-        self._profiler.stop()
-        self._out_dir.mkdir(parents=True, exist_ok=True)
-        self._profiler.export_chrome_trace(str(self._out_dir / f"trace_rank{trainer.global_rank}.json.gz"))
-        self._profiler = None
-
-    def _write(self, trainer: L.Trainer, device: torch.device) -> None:
-        peak = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else float("nan")
-        self._out_dir.mkdir(parents=True, exist_ok=True)
-        flops = getattr(trainer.lightning_module, "flops_per_batch", None)
-        record = {
-            "rank": trainer.global_rank,
-            "world_size": trainer.world_size,
-            "segment_ms": self._segment_ms,
-            "peak_GiB": peak,
-            "timed_from_unix": self._timed_from_unix,
-            "flops_per_step": flops * trainer.accumulate_grad_batches if flops else None,
-            "peak_flops": peak_flops(device, compute_dtype(trainer)),
-        }
-        (self._out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
-
-
-@dataclass(frozen=True)
-class Setup:
-    """``name[:bucket_mb][+key=value ...][@VAR=value ...]``, parsed."""
-
-    spec: str
-    name: str
-    bucket_mb: str | None = None
-    init_args: tuple[tuple[str, str], ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def parse(cls, spec: str) -> "Setup":
-        head, *envs = spec.split("@")
-        head, *options = head.split("+")
-        name, _, bucket = head.partition(":")
-        if name != "single" and name not in STRATEGY_CLASSES or (name == "single" and bucket):
-            raise argparse.ArgumentTypeError(
-                f"unknown setup {name!r} in {spec!r}: choose single or one of {', '.join(STRATEGY_CLASSES)}"
-            )
-        if bucket and name not in BUCKET_ARGS:
-            raise argparse.ArgumentTypeError(
-                f"{name} takes no bucket size ({spec!r}); those that do: {', '.join(BUCKET_ARGS)}"
-            )
-        pairs = [option.split("=", 1) for option in [*options, *envs]]
-        if any(len(pair) != 2 for pair in pairs):
-            raise argparse.ArgumentTypeError(f"options and variables are key=value, got {spec!r}")
-        return cls(
-            spec,
-            name,
-            bucket or None,
-            tuple(map(tuple, pairs[: len(options)])),
-            tuple(map(tuple, pairs[len(options) :])),
-        )
-
-    def train_py_args(self, devices: int) -> list[str]:
-        flags = [arg for key, value in self.init_args if key.startswith("--") for arg in (key, value)]
-        init_args = [(key, value) for key, value in self.init_args if not key.startswith("--")]
-        if self.name == "single":
-            return ["--devices", "1", "--strategy", "auto", *flags]
-        if not (self.bucket_mb or init_args):  # the registered name, as a user types it
-            return ["--devices", str(devices), "--strategy", self.name, *flags]
-        args = ["--devices", str(devices), "--trainer.strategy", STRATEGY_CLASSES[self.name]]
-        if self.bucket_mb:
-            args += [f"--trainer.strategy.{BUCKET_ARGS[self.name]}", self.bucket_mb]
-        for key, value in init_args:
-            args += [f"--trainer.strategy.{key}", value]
-        return args + flags
-
-
-@dataclass(frozen=True)
-class Config:
-    context: int
-    batch_size: int
-    compile: bool
-
-    @classmethod
-    def parse(cls, text: str) -> "Config":
-        shape, _, mode = text.partition(":")
-        try:
-            context, batch = (int(part) for part in shape.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--configs takes CONTEXTxBATCH:compiled|eager, got {text!r}") from None
-        if mode not in ("compiled", "eager") or context <= 0 or batch <= 0:
-            raise argparse.ArgumentTypeError(
-                f"--configs takes CONTEXTxBATCH:compiled|eager with positive sizes, got {text!r}"
-            )
-        return cls(context, batch, mode == "compiled")
-
-    @property
-    def label(self) -> str:
-        return f"ctx{self.context}×{self.batch_size} {'compiled' if self.compile else 'eager'}"
 
 
 @dataclass
@@ -256,12 +85,10 @@ class Run:
         return statistics.median(self.segment_ms) if self.segment_ms else float("nan")
 
 
-def train_py_command(
-    config: Config, setup: Setup, args: argparse.Namespace, workdir: Path, timer_dir: Path
-) -> list[str]:
+def visit_command(config: Config, setup: Setup, args: argparse.Namespace, workdir: Path, timer_dir: Path) -> list[str]:
     """The user's command line for ``setup`` with the timer added (checkpoints, validation and sampling off)."""
     timer = {
-        "class_path": "benchmarks.scaling.WindowTimer",
+        "class_path": "benchmarks.window_timer.WindowTimer",
         "init_args": {
             "out_dir": str(timer_dir),
             "warmup": args.warmup,
@@ -270,45 +97,24 @@ def train_py_command(
             "trace_steps": args.trace_steps,
         },
     }
-    return [
-        sys.executable,
-        str(REPO / "train.py"),
-        "--accelerator",
+    steps = args.warmup + args.steps * args.segments + args.trace_steps
+    run = TrainPyRun(
         args.accelerator,
-        "--precision",
-        args.precision,
-        "--model.size",
         args.size,
-        "--model.context_length",
-        str(config.context),
-        "--model.attention",
+        config.context,
+        config.batch_size,
+        args.precision,
         args.attention,
-        "--model.compile",
-        str(config.compile).lower(),
-        "--model.lr",
-        str(LR),
-        "--model.warmup_steps",
-        str(WARMUP_STEPS),
-        "--model.sample_prompt",
-        "",
-        "--data.batch_size",
-        str(config.batch_size),
-        "--max_steps",
-        str(args.warmup + args.steps * args.segments + args.trace_steps),
-        "--trainer.gradient_clip_val",
-        str(CLIP),
-        "--trainer.limit_val_batches",
-        "0",
-        "--trainer.enable_checkpointing",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.logger.init_args.save_dir",
-        str(workdir / "logs"),
+        config.compile,
+        steps,
+        workdir / "logs",
+    )
+    return train_py_command(
+        run,
         f"--trainer.callbacks+={json.dumps(timer)}",
         *args.train_py_flags,
         *setup.train_py_args(args.devices),  # a setup's own flags last: they win
-    ]
+    )
 
 
 def run_in_own_group(command: list[str], env: dict[str, str], out: IO[str], timeout: float) -> int | None:
@@ -331,7 +137,7 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
     if it failed."""
     run = Run(config, setup, round_)
     timer_dir = workdir / f"visit{len(list(workdir.glob('visit*.log')))}"
-    command = train_py_command(config, setup, args, workdir, timer_dir)
+    command = visit_command(config, setup, args, workdir, timer_dir)
     env = {
         **os.environ,
         **dict(setup.env),
@@ -351,7 +157,7 @@ def visit(config: Config, setup: Setup, round_: int, args: argparse.Namespace, w
         )
         print(f"  {setup.spec} failed ({run.error}); its output ends:\n    " + "\n    ".join(tail), flush=True)
         return run
-    run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records))]
+    run.segment_ms = [max(ms) for ms in zip(*(r["segment_ms"] for r in records), strict=True)]
     run.peak_GiB = [r["peak_GiB"] for r in sorted(records, key=lambda r: r["rank"])]
     run.first_timed_s = max(r["timed_from_unix"] for r in records) - launched
     run.mfu = model_flops_utilisation(records[0], run.ms)
@@ -408,7 +214,7 @@ def rows(runs: list[Run], args: argparse.Namespace) -> list[dict]:
         visits = [run for run in runs if run.config == config]
         by_round = {(run.round, run.setup.spec): run for run in visits}
 
-        def ratios(spec: str, base: str | None) -> list[float]:
+        def ratios(spec: str, base: str | None, by_round: dict = by_round) -> list[float]:
             pairs = [(by_round.get((r, spec)), by_round.get((r, base))) for r in range(args.rounds)]
             return [a.ms / b.ms for a, b in pairs if a and b and a.segment_ms and b.segment_ms]
 

@@ -324,7 +324,7 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
-def main(args: Optional[list[str]] = None, run: bool = True, parts: CLIParts = CLIParts()) -> LMCLI:
+def main(args: Optional[list[str]] = None, run: bool = True, parts: CLIParts = CLIParts()) -> LMCLI:  # noqa: B008  frozen
     """Entry point of ``train.py``, which hands in ``parts``; with no subcommand given, ``fit`` is run. Errors end in
     one line with an exit status (:mod:`lm_systems.errors`): SIGTERM exits with 143 after ``crash.ckpt`` is saved, so a
     scheduler reads the run as interrupted, not finished; Ctrl-C with 130; a run stopped by a non-finite loss or

@@ -205,7 +205,7 @@ class CheckpointDirStrategy(PublishedCheckpoints):
             optimizer_states.append((optimizer, state))
         read_into(path, targets, self._writer.group)
         rest = read_meta(path)
-        for (optimizer, state), saved in zip(optimizer_states, rest["optimizer_states"]):
+        for (optimizer, state), saved in zip(optimizer_states, rest["optimizer_states"], strict=True):
             optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
             optimizer_to_device(optimizer, self.root_device)
         return rest

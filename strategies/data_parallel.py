@@ -15,7 +15,8 @@ logging are Lightning's own. What changes is the model wrapper and where gradien
   own clipping there too (LitLM clips through the same two methods); the ranks agree to stop for SIGTERM over a gloo
   group of CPU tensors instead of Lightning's per-batch device broadcast, which waits for the GPU
   (:class:`strategies.sigterm.HostSigtermStrategy`);
-- ``teardown`` removes the container's gradient hooks and unwraps the module.
+- ``teardown`` closes the container (hooks off, launch thread stopped, process group dropped) and unwraps the
+  module.
 
 Every strategy takes communication options (NCCL only):
 ``comm_high_priority`` and ``comm_max_ctas`` average gradients on a process group of their own whose
@@ -59,11 +60,10 @@ from lm_systems.parallel import (
     gradient_process_group,
     runs_within_buckets,
 )
-from lm_systems.training.strategy_offers import GlobalGradNorm, LocalGradNorm
+from lm_systems.training.strategy_offers import COMM_DTYPES, GlobalGradNorm, LocalGradNorm
 from strategies.sigterm import HostSigtermStrategy
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
@@ -160,7 +160,7 @@ class ContainerDDPStrategy(HostSigtermStrategy, ModelWrappingDDPStrategy):
     @override
     def teardown(self) -> None:
         if isinstance(self.model, DataParallelModule):
-            self.model.remove_hooks()
+            self.model.close()
             self.model = self.lightning_module
         if self._grad_group is not None:
             dist.destroy_process_group(self._grad_group)

@@ -48,8 +48,10 @@ class HostSigtermAgreement:
         return bool(self._flag.item())
 
     def close(self) -> None:
-        """Destroy the gloo group (from ``Strategy.teardown``)."""
+        """Destroy the gloo group and let it go (from ``Strategy.teardown``): the trainer keeps ``agree`` and
+        ``notify``, and with them this object, past the run."""
         dist.destroy_process_group(self._group)
+        self._group = None
 
 
 class HostSigtermStrategy:

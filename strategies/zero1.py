@@ -12,7 +12,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lm_systems.parallel import DataParallelModule, ShardedOptimizer, optimizer_init_kwargs
+from lm_systems.parallel import DataParallelModule, OwnedGradients, ShardedOptimizer, optimizer_init_kwargs
 from lm_systems.parallel.sharded_optimizer import Exchange
 from strategies.checkpoint_dirs import CheckpointDirStrategy
 from strategies.data_parallel import BucketedDDPStrategy
@@ -81,16 +81,23 @@ class Zero1Strategy(CheckpointDirStrategy, BucketedDDPStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         sharded = [self._shard(optimizer) for optimizer in self.optimizers]
-        for original, wrapped in zip(self.optimizers, sharded):
+        for original, wrapped in zip(self.optimizers, sharded, strict=True):
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is original:
                     config.scheduler.optimizer = wrapped
         self.optimizers = sharded
         if isinstance(self.model, DataParallelModule):
             if self._grad_reduce == "owner":
-                self.model.reduce_to_owners(_owner_lookup(sharded))
+                self.model.assign_owners(OwnedGradients(_owner_lookup(sharded), reduce_to_owner=True))
             else:  # a parameter no optimizer holds still counts in the norm, once: rank 0 takes it
-                self.model.clip_only_owned(_owner_lookup(sharded, default=0))
+                self.model.assign_owners(OwnedGradients(_owner_lookup(sharded, default=0), reduce_to_owner=False))
+
+    @override
+    def teardown(self) -> None:
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, ShardedOptimizer):
+                optimizer.close()  # before the strategy destroys the group it holds
+        super().teardown()
 
     @override
     def holds_state(self, optimizer: Optimizer, param: Tensor) -> bool:
@@ -111,7 +118,7 @@ class Zero1Strategy(CheckpointDirStrategy, BucketedDDPStrategy):
             process_group=self._grad_group,
             **optimizer_init_kwargs(optimizer),
         )
-        if any(a is not b for a, b in zip(wrapped.param_groups, optimizer.param_groups)):
+        if any(a is not b for a, b in zip(wrapped.param_groups, optimizer.param_groups, strict=True)):
             raise RuntimeError(
                 "ShardedOptimizer did not adopt the optimizer's param-group dicts; schedulers would not reach it"
             )

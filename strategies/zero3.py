@@ -16,9 +16,9 @@ from typing_extensions import override
 
 from lm_systems.compat.lightning import optimizer_to_device
 from lm_systems.parallel import DataParallelModule, FullyShardedDataParallel
-from lm_systems.training.strategy_offers import ShardingUnits
+from lm_systems.training.strategy_offers import COMM_DTYPES, ShardingUnits
 from strategies.checkpoint_dirs import CheckpointDirStrategy
-from strategies.data_parallel import COMM_DTYPES, ContainerDDPStrategy
+from strategies.data_parallel import ContainerDDPStrategy
 from strategies.sharded_grad_scaler import agree_on_overflow
 
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -133,6 +133,6 @@ class Zero3Strategy(CheckpointDirStrategy, ContainerDDPStrategy):
         if self._sharded is None or self.restored_from_directory:
             super().load_optimizer_state_dict(checkpoint)
             return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             self._sharded.load_full_optimizer_state_dict(optimizer, state)
             optimizer_to_device(optimizer, self.root_device)

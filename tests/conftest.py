@@ -137,7 +137,7 @@ def _assert_equal_nested(actual, expected, where: str) -> None:
             _assert_equal_nested(actual[key], expected[key], f"{where}[{key!r}]")
     elif isinstance(expected, (list, tuple)):
         assert len(actual) == len(expected), where
-        for index, (a, e) in enumerate(zip(actual, expected)):
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
             _assert_equal_nested(a, e, f"{where}[{index}]")
     else:
         assert actual == expected, where

@@ -31,7 +31,9 @@ def assert_trained_like_replay(run_dir: Path, world_size: int, clip: float) -> N
         assert not torch.equal(value, records[0]["initial"][name]), f"{name} never moved"
         # float32: the ranks' mean gradients averaged vs one mean over the global batch differ by a few ulps per
         # element, grown over the run's AdamW steps; clipping at one rank's norm moves weights by ~1e-3.
-        torch.testing.assert_close(saved["state_dict"][name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            saved["state_dict"][name], value, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
         for record in records:
             assert torch.equal(record["final"][name], saved["state_dict"][name]), name
     (optimizer_state,) = saved["optimizer_states"]
@@ -42,5 +44,5 @@ def assert_trained_like_replay(run_dir: Path, world_size: int, clip: float) -> N
                 state[moment],
                 rtol=1e-4,
                 atol=1e-6 * state[moment].abs().max().item(),
-                msg=lambda m: f"parameter {index}'s {moment}: {m}",
+                msg=lambda m, index=index, moment=moment: f"parameter {index}'s {moment}: {m}",
             )

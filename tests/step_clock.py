@@ -5,6 +5,7 @@ loss, and the process's peak resident host memory."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import resource
 import time
@@ -39,7 +40,7 @@ class StepClock(L.Callback):
             return
         record = {
             "steps": self.steps,
-            "intervals_s": [b - a for a, b in zip(self.starts, self.starts[1:])],
+            "intervals_s": [b - a for a, b in itertools.pairwise(self.starts)],
             "losses": self.losses,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: kB
         }

@@ -180,7 +180,9 @@ def test_the_os_error_behind_a_runtime_error_is_found(tmp_path):
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1866048 vs 1865936")
+            raise RuntimeError(  # noqa: B904  as torch raises it: the OSError only the implicit context
+                "[enforce fail at inline_container.cc:672] . unexpected pos 1866048 vs 1865936"
+            )
     except RuntimeError as error:
         assert os_error_in(error).errno == errno.ENOSPC
     message = write_error_message(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.ckpt")))

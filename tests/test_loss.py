@@ -249,7 +249,7 @@ def test_under_autocast_the_matmuls_run_in_its_dtype_and_the_gradients_keep_the_
     assert loss.dtype == hidden.grad.dtype == weight.grad.dtype == torch.float32
     # The reference multiplies the bf16-rounded inputs, as autocast does; bf16 bound for the rounded logits.
     rounded = [t.detach().bfloat16() for t in (hidden, weight)]
-    for got, reference in zip((loss, hidden.grad, weight.grad), _reference(*rounded, targets)):
+    for got, reference in zip((loss, hidden.grad, weight.grad), _reference(*rounded, targets), strict=True):
         _assert_close(got, reference, BFLOAT16[1])
 
 
@@ -279,7 +279,7 @@ def test_inside_a_compiled_module(chunk_kernel):
     ref_loss = F.cross_entropy((hidden.double() @ model.head.weight.double().T), targets)
     ref_loss.backward()
     _assert_close(loss, ref_loss.detach(), FLOAT32[1])
-    for grad, param in zip(got, model.parameters()):
+    for grad, param in zip(got, model.parameters(), strict=True):
         _assert_close(grad, param.grad.double(), FLOAT32[1])
 
 
@@ -344,5 +344,7 @@ def test_gpu_bf16_matches_float64_and_stays_under_the_full_logits(chunk_kernel):
     # (15.6 MiB) and the two gradients; compiled chunks also a float32 copy. The plain path's float32 logits are 250.
     gradients = (vocab + tokens) * d_model * 2
     assert extra < 1.1 * (chunk * vocab * (2 if chunk_kernel == "triton" else 6) + gradients)
-    for got, reference in zip((loss, hidden.grad, weight.grad), _reference(hidden.cpu(), weight.cpu(), targets.cpu())):
+    for got, reference in zip(
+        (loss, hidden.grad, weight.grad), _reference(hidden.cpu(), weight.cpu(), targets.cpu()), strict=True
+    ):
         _assert_close(got.cpu(), reference, BFLOAT16[1])

@@ -55,7 +55,7 @@ def test_compiled_blocks_match_eager_and_keep_one_backward_node_per_block_or_run
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     expected.square().mean().backward()
     got.square().mean().backward()
-    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 

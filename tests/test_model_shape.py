@@ -34,7 +34,7 @@ def data(vocab_size=None, context_length=16, batch_size=4):
 def test_the_vocabulary_is_the_tokenizers_until_one_is_given():
     shape = ModelShape("tiny", OVERRIDES)
     with pytest.raises(RuntimeError, match="--model.vocab_size"):
-        shape.config
+        _ = shape.config
     assert shape.fit_to_data(data(vocab_size=300)) == 300
     assert shape.config.vocab_size == 300 and shape.data_shape == (4, 16)
     given = ModelShape("tiny", {**OVERRIDES, "vocab_size": 512})

@@ -73,7 +73,7 @@ def test_two_nodes_train_to_equal_replicas_and_one_checkpoint(strategy, environm
             for rank in (0, 1)
         ]
         outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (out, err) in zip(nodes, outputs):
+    for node, (out, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, (out + err)[-4000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in "".join(out + err for out, err in outputs)
 
@@ -90,6 +90,6 @@ def test_two_nodes_train_to_equal_replicas_and_one_checkpoint(strategy, environm
         assert not torch.equal(weight, records[0]["initial"][name]), f"{name} never moved"
         # float32: the two nodes' mean gradients averaged vs one mean over both batches
         # (tests/test_train_py_two_processes.py)
-        torch.testing.assert_close(saved[name], weight, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(saved[name], weight, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         for record in records:
             assert torch.equal(record["final"][name], saved[name]), name

@@ -166,7 +166,9 @@ def test_skipped_steps_are_the_run_without_their_batches(cache_dir, fused, reque
     assert {int(state["step"]) for state in optimizer.state.values()} == {4}
     expected = dropping_the_poisoned_batches(module, fused)
     for name, weight in module.model.state_dict().items():
-        torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            weight, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.slow
@@ -179,7 +181,9 @@ def test_fused_adamw_clips_inside_its_step_as_clipping_first_does(cache_dir, fus
     assert optimizer.grad_scale == pytest.approx(module.grad_norms[-1] / CLIP, rel=1e-5), "the last step's divisor"
     expected = dropping_the_poisoned_batches(module, fused=False)
     for name, weight in module.model.state_dict().items():
-        torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            weight, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.slow
@@ -229,8 +233,10 @@ def test_under_a_grad_scaler_the_norm_and_clipping_see_unscaled_gradients(cache_
     assert scaled.trainer.precision_plugin.scaler.get_scale() == 2.0**12, "no step overflowed"
     assert min(unscaled.grad_norms) > CLIP, "every step clips"
     assert scaled.grad_norms == pytest.approx(unscaled.grad_norms, rel=1e-6)
-    for (name, weight), other in zip(scaled.model.state_dict().items(), unscaled.model.state_dict().values()):
-        torch.testing.assert_close(weight, other, rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
+    for (name, weight), other in zip(
+        scaled.model.state_dict().items(), unscaled.model.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(weight, other, rtol=1e-6, atol=1e-8, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.slow

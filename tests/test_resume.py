@@ -68,7 +68,7 @@ def test_typed_settings_take_effect_and_untyped_model_settings_continue(first_ru
     optimizer = resumed.trainer.optimizers[0]
     scheduler = resumed.trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.base_lrs == [1e-3, 1e-3]
-    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
         assert group["initial_lr"] == 1e-3
         assert group["lr"] == pytest.approx(1e-3 * factor(scheduler.last_epoch))
     assert yaml.safe_load((Path(resumed.trainer.logger.log_dir) / "config.yaml").read_text())["model"]["lr"] == 1e-3

@@ -1,5 +1,6 @@
 """Warm-up + cosine learning-rate multiplier."""
 
+import itertools
 import math
 
 import pytest
@@ -17,4 +18,4 @@ def test_cosine_reaches_the_floor_and_stays():
     assert warmup_cosine(100, 10, 100, 0.1) == pytest.approx(0.1)
     assert warmup_cosine(1000, 10, 100, 0.1) == pytest.approx(0.1)
     values = [warmup_cosine(s, 10, 100, 0.1) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))

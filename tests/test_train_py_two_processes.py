@@ -111,7 +111,9 @@ def test_two_processes_train_like_one_process_on_their_batches(strategy, uninter
         assert not torch.equal(value, records[0]["initial"][name]), f"{name} never moved"
         # float32 throughout: per-rank means averaged vs one mean over the global batch differ by a few ulps per
         # gradient element, grown over 6 AdamW steps; clipping at the wrong norm moves weights by ~1e-3.
-        torch.testing.assert_close(saved["state_dict"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            saved["state_dict"][name], value, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
         for record in records:  # each rank's replica, as it ended
             assert torch.equal(record["final"][name], saved["state_dict"][name]), name
     if strategy == COMPILED_RUNS:
@@ -128,7 +130,7 @@ def test_two_processes_train_like_one_process_on_their_batches(strategy, uninter
                 state[moment],
                 rtol=rtol,
                 atol=atol * state[moment].abs().max().item(),
-                msg=lambda m: f"parameter {index}'s {moment}: {m}",
+                msg=lambda m, index=index, moment=moment: f"parameter {index}'s {moment}: {m}",
             )
     assert [g["lr"] for g in optimizer_state["param_groups"]] == pytest.approx(
         [g["lr"] for g in expected["param_groups"]]
@@ -191,11 +193,11 @@ def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(
     assert whole["global_step"] == STEPS and whole["LMDataModule"] == {"train_batches_consumed": STEPS * ACCUMULATE}
 
     whole_records, resumed_records = load_records(uninterrupted), load_records(tmp_path)
-    for rank, (before, after) in enumerate(zip(whole_records, resumed_records)):
+    for rank, (before, after) in enumerate(zip(whole_records, resumed_records, strict=True)):
         assert after["start_step"] == STOP_AT
         continued = before["batches"][STOP_AT * ACCUMULATE :]
         assert len(after["batches"]) == len(continued), rank
-        for index, (a, b) in enumerate(zip(after["batches"], continued)):
+        for index, (a, b) in enumerate(zip(after["batches"], continued, strict=True)):
             assert torch.equal(a, b), f"rank {rank}: micro-batch {STOP_AT * ACCUMULATE + index} differs"
         resumed_validations = [(step, loss) for step, loss in before["val_losses"] if step > STOP_AT]
         assert after["val_losses"] == resumed_validations and resumed_validations, rank

@@ -27,7 +27,7 @@ def run_together(train_py, run_dir: Path, args: list[str], starts: list[dict]) -
     with ExitStack() as running:  # every process is killed if one fails or outlives the wait
         processes = [running.enter_context(train_py.start(*args, cwd=run_dir, **start)) for start in starts]
         outputs = [process.communicate(timeout=300) for process in processes]
-    for process, (out, err) in zip(processes, outputs):
+    for process, (out, err) in zip(processes, outputs, strict=True):
         assert process.returncode == 0, (out + err)[-4000:]
     return "".join(out + err for out, err in outputs)
 

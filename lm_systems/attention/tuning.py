@@ -171,7 +171,7 @@ class TunedKernel:
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
     def run(self, grid, args: tuple, kwargs: dict) -> Any:
-        named = {**dict(zip(self.arg_names, args)), **kwargs}
+        named = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}  # the arguments after args come as kwargs
         key = self.tuning_key(named)
         config = self.cache.get(key)
         if config is None:
@@ -215,7 +215,7 @@ class TunedKernel:
 
     def _fastest(self, candidates: list[triton.Config], grid, args: tuple, kwargs: dict):
         times = {
-            config: self.bench(lambda: self.kernel[grid](*args, **kwargs, **config.all_kwargs()))
+            config: self.bench(lambda config=config: self.kernel[grid](*args, **kwargs, **config.all_kwargs()))
             for config in candidates
         }
         return min(times, key=times.get), {str(config): ms for config, ms in times.items()}

@@ -114,7 +114,7 @@ def read_whole(path: str | os.PathLike, optimizer: bool = True) -> dict[str, Any
                 states[int(number)].setdefault(int(index), {})[name] = value
         checkpoint["optimizer_states"] = [
             {"state": dict(sorted(state.items())), "param_groups": saved["param_groups"]}
-            for state, saved in zip(states, saved_optimizers)
+            for state, saved in zip(states, saved_optimizers, strict=True)
         ]
     return checkpoint
 

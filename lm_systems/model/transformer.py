@@ -231,7 +231,9 @@ class TransformerLM(nn.Module):
                 f"runs are positive numbers of blocks that add up to the model's {len(self.blocks)}, got {runs}"
             )
         firsts = itertools.accumulate([0, *runs[:-1]])
-        self._runs = [(first, tuple(self.blocks[first : first + size])) for first, size in zip(firsts, runs)]
+        self._runs = [
+            (first, tuple(self.blocks[first : first + size])) for first, size in zip(firsts, runs, strict=True)
+        ]
         self._run_compiled = torch.compile(_run_blocks, **compile_options)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:

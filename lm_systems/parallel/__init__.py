@@ -5,11 +5,16 @@
 - ``BucketedDDP(module, bucket_size_mb)``: bucketed async all-reduce, in place in autograd's own gradients;
   ``default_bucket_size_mb(hosts)`` the cap the strategies pick when none is given, ``gradient_buckets`` its plan,
   ``runs_within_buckets`` the runs of blocks that can compile as one graph each without delaying a bucket.
-- ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1).
+- ``ShardedOptimizer(params, optimizer_cls, **kwargs)``: optimizer state sharded over ranks (ZeRO stage 1);
+  ``OwnedGradients(owner)`` handed to an overlapping container (``assign_owners``) reduces each gradient to the rank
+  that steps it and clips there.
 - ``FullyShardedDataParallel(module, compute_dtype=None, units=())``: parameters, gradients and optimizer state
   sharded over ranks (ZeRO stage 3), each unit (those named, and every linear or embedding layer outside them)
   gathered just before its forward and its backward.
 - ``gradient_process_group()``: an NCCL group with a high-priority stream for the containers' all-reduces.
+
+Each container and the ShardedOptimizer owns its lifetime: ``close()`` (or leaving a ``with`` block) removes its
+hooks, stops its launch thread and drops its process group.
 """
 
 from lm_systems.parallel.base import DataParallelModule
@@ -24,6 +29,7 @@ from lm_systems.parallel.collectives import gradient_process_group
 from lm_systems.parallel.fully_sharded import FullyShardedDataParallel
 from lm_systems.parallel.naive import NaiveDDP
 from lm_systems.parallel.overlap import OverlappedDDP, PerParameterDDP
+from lm_systems.parallel.owned_gradients import OwnedGradients
 from lm_systems.parallel.sharded_optimizer import ShardedOptimizer, optimizer_init_kwargs
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "NaiveDDP",
     "OverlappedDDP",
+    "OwnedGradients",
     "PerParameterDDP",
     "ShardedOptimizer",
     "assign_buckets",

@@ -1,9 +1,11 @@
-"""What every data-parallel container shares: the start-up broadcast, forward, ``no_sync`` and hook bookkeeping."""
+"""What every data-parallel container shares: the start-up broadcast, forward, ``no_sync``, hook bookkeeping and
+the container's lifetime (``close()``, ``with``)."""
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,10 +22,11 @@ class DataParallelModule(nn.Module, ABC):
 
     Usage, on every rank::
 
-        model = BucketedDDP(model, bucket_size_mb=25)
-        loss_fn(model(x), y).backward()
-        model.finish_gradient_synchronization()   # .grad now holds the mean over ranks
-        optimizer.step()
+        with BucketedDDP(model, bucket_size_mb=25) as ddp:
+            loss_fn(ddp(x), y).backward()
+            ddp.finish_gradient_synchronization()   # .grad now holds the mean over ranks
+            optimizer.step()
+        # closed: hooks removed, launch thread stopped, process group no longer referenced
 
     Inside ``with model.no_sync():`` backward passes only accumulate locally; the next backward outside it
     (and its ``finish_gradient_synchronization()``) averages the accumulated sum.
@@ -56,12 +59,34 @@ class DataParallelModule(nn.Module, ABC):
         self._hook_handles: list[RemovableHandle] = []
         broadcast_module_state(module, src=0)
 
+    def __enter__(self) -> DataParallelModule:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the container's life: remove its hooks (``remove_hooks``) and drop its process group, so that once
+        the caller destroys the group nothing of it (gloo's and the TCPStore's threads) outlives the container's
+        use. The wrapped ``module`` stays usable on its own; the container is not. Calling it again does nothing."""
+        self.remove_hooks()
+        self.process_group = None
+        self._averager = None
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters to synchronise, in registration order (tied weights appear once)."""
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_open()
         return self.module(*args, **kwargs)
+
+    def _require_open(self) -> None:
+        if self._averager is None:
+            raise RuntimeError(
+                f"this {type(self).__name__} was closed (hooks removed, process group dropped): train its module "
+                "through a new container, or call it directly"
+            )
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -91,6 +116,19 @@ class DataParallelModule(nn.Module, ABC):
 
     def _add_hook(self, handle: RemovableHandle) -> None:
         self._hook_handles.append(handle)
+
+    def _weak_hook(self, method: Callable[..., None], *bound: Any) -> Callable[..., None]:
+        """A hook calling ``method`` (one of this container's) with ``bound`` before the hook's own arguments, holding
+        the container weakly: a hook left on a parameter does not keep the container, and the process group it
+        holds, alive after its last use."""
+        container, function = weakref.ref(self), method.__func__  # a WeakMethod call costs twice as much
+
+        def hook(*args: Any) -> None:
+            live = container()
+            if live is not None:
+                function(live, *bound, *args)
+
+        return hook
 
     def remove_hooks(self) -> None:
         """Detach the container from its parameters' autograd hooks (gradients stay as they are)."""

@@ -87,7 +87,9 @@ class GradientAverager:
         works = launched_as_one(
             self.group,
             sent[0].device,
-            lambda: [self.group.reduce([t], self._reduce_options(owner, op)) for t, owner in zip(sent, owners)],
+            lambda: [
+                self.group.reduce([t], self._reduce_options(owner, op)) for t, owner in zip(sent, owners, strict=True)
+            ],
         )
         return PendingAverage(sent, _AllOf(works), None if native_avg else self.world_size, tensors)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -86,7 +87,7 @@ class FullyShardedDataParallel(DataParallelModule):
                 )
         self._units = [
             ShardedUnit(unit, prefix, params, process_group, compute_dtype, grad_comm_dtype)
-            for (prefix, unit), params in zip(unit_modules, _assign_params(module, unit_modules))
+            for (prefix, unit), params in zip(unit_modules, _assign_params(module, unit_modules), strict=True)
             if params
         ]
         self._sharded: dict[int, tuple[ShardedUnit, ShardedParam]] = {
@@ -95,7 +96,10 @@ class FullyShardedDataParallel(DataParallelModule):
         self._replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in self._sharded]
         self._presence = GradPresence(self._replicated, process_group) if self._replicated else None
         self._mesh: DeviceMesh | None = None  # for global_view, made once asked
-        self._schedule = UnitSchedule(self._units, compute_dtype, prefetch, lambda: self.require_backward_grad_sync)
+        container = weakref.ref(self)  # the units' hooks hold the schedule: it must not hold the container
+        self._schedule = UnitSchedule(
+            self._units, compute_dtype, prefetch, lambda: getattr(container(), "require_backward_grad_sync", False)
+        )
         for unit in self._units:
             self._add_hook(
                 unit.module.register_forward_pre_hook(self._schedule.pre_forward_hook(unit), with_kwargs=True)
@@ -103,6 +107,7 @@ class FullyShardedDataParallel(DataParallelModule):
             self._add_hook(unit.module.register_forward_hook(self._schedule.post_forward_hook(unit)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_open()
         self._schedule.start_forward()
         return self.module(*args, **kwargs)
 
@@ -120,7 +125,7 @@ class FullyShardedDataParallel(DataParallelModule):
         self._presence.launch(local)
         self._averager.average(flat)
         chunks = flat.split([p.numel() for p in self._replicated])
-        for param, chunk, anywhere in zip(self._replicated, chunks, self._presence.wait()):
+        for param, chunk, anywhere in zip(self._replicated, chunks, self._presence.wait(), strict=True):
             param.grad = chunk.view_as(param).to(param.dtype) if anywhere else None
 
     # -- clipping ----------------------------------------------------------------------------
@@ -163,7 +168,7 @@ class FullyShardedDataParallel(DataParallelModule):
         unit gathered at a time, moved to the CPU with ``offload_to_cpu``)."""
         full: dict[str, torch.Tensor] = {}
         for unit in self._units:
-            for param, value in zip(unit.params, unit.gather_masters()):
+            for param, value in zip(unit.params, unit.gather_masters(), strict=True):
                 for name in param.names:
                     full[name] = value.cpu() if offload_to_cpu else value
         ordered = {}
@@ -261,14 +266,19 @@ class FullyShardedDataParallel(DataParallelModule):
         for unit in self._units:
             unit.drop_prefetch()
             unit.free()
-            for param, value in zip(unit.params, unit.gather_masters()):
+            for param, value in zip(unit.params, unit.gather_masters(), strict=True):
                 restored = nn.Parameter(value, requires_grad=param.shard.requires_grad)
                 for module, name in param.slots:
                     set_module_parameter(module, name, restored)
         self._units, self._sharded = [], {}
-        self._schedule.units = self._units  # a later forward or end of backward has no unit left to free
+        self._schedule.forget_units()
         self._replicated = [p for p in self.module.parameters() if p.requires_grad]
         self._presence = GradPresence(self._replicated, self.process_group) if self._replicated else None
+
+    def close(self) -> None:
+        """``remove_hooks`` (a collective: the module gets its full parameters back), then drop the process group."""
+        super().close()
+        self._presence = None
 
 
 def _outermost(

@@ -56,17 +56,20 @@ class LaunchThread:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         while (item := self._queue.get()) is not None:
-            if isinstance(item, threading.Event):  # drain()'s mark: everything before it has run
-                item.set()
-                continue
-            launch, stream = item
-            if self._error is not None:
-                continue  # after a failure launch nothing more; drain() reports it
-            try:
-                if stream is None:
+            self._run_one(item)  # its locals (a launch, holding its container) end with it
+
+    def _run_one(self, item: threading.Event | tuple[Callable[[], None], torch.cuda.Stream | None]) -> None:
+        if isinstance(item, threading.Event):  # drain()'s mark: everything before it has run
+            item.set()
+            return
+        launch, stream = item
+        if self._error is not None:
+            return  # after a failure launch nothing more; drain() reports it
+        try:
+            if stream is None:
+                launch()
+            else:
+                with torch.cuda.stream(stream):
                     launch()
-                else:
-                    with torch.cuda.stream(stream):
-                        launch()
-            except BaseException as error:  # noqa: BLE001 - handed to drain() on the submitting thread
-                self._error = error
+        except BaseException as error:  # noqa: BLE001 - handed to drain() on the submitting thread
+            self._error = error

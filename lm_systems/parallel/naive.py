@@ -25,6 +25,10 @@ class NaiveDDP(DataParallelModule):
         self._params = self.trainable_parameters()
         self._presence = GradPresence(self._params, self.process_group)
 
+    def close(self) -> None:
+        super().close()
+        self._presence = None
+
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         if not self._params:
@@ -33,7 +37,7 @@ class NaiveDDP(DataParallelModule):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         averaged = self._average_flat(grads) if self.flat else [self._averager.average(g) for g in grads]
         self._presence.launch(local)
-        for param, grad, anywhere in zip(self._params, averaged, self._presence.wait()):
+        for param, grad, anywhere in zip(self._params, averaged, self._presence.wait(), strict=True):
             param.grad = grad if anywhere else None
 
     def _average_flat(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -45,6 +49,6 @@ class NaiveDDP(DataParallelModule):
         for indices in groups.values():
             flat = self._averager.average(torch.cat([grads[i].reshape(-1) for i in indices]))  # (Σ numel,)
             chunks = flat.split([grads[i].numel() for i in indices])
-            for i, chunk in zip(indices, chunks):
+            for i, chunk in zip(indices, chunks, strict=True):
                 averaged[i] = chunk.view_as(grads[i])
         return averaged

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -12,6 +13,7 @@ import torch.nn as nn
 from lm_systems.parallel.base import DataParallelModule
 from lm_systems.parallel.collectives import GradPresence, PendingAverage
 from lm_systems.parallel.launch_thread import LaunchThread
+from lm_systems.parallel.owned_gradients import OwnedGradients
 
 
 class OverlappedDDP(DataParallelModule):
@@ -23,8 +25,9 @@ class OverlappedDDP(DataParallelModule):
     unused on one rank; a unit that is ready early waits for the ones before it. Units never launched
     during backward (unused parameters, ``no_sync``) are launched by ``finish_gradient_synchronization``.
     With ``launch_thread`` the launches run on a ``LaunchThread`` instead of in the hooks on autograd's
-    thread, which then only queue them. After ``reduce_to_owners`` each gradient goes only to the rank that
-    steps its parameter (ZeRO-1's owner) instead of to every rank.
+    thread, which then only queue them. Handed an :class:`OwnedGradients` (``assign_owners``), it clips only the
+    gradients this rank's optimizer steps, and may send each gradient only to the rank that steps its parameter
+    (ZeRO-1's owner) instead of to every rank.
     """
 
     def __init__(
@@ -39,6 +42,8 @@ class OverlappedDDP(DataParallelModule):
         self._units = units
         device = units[0][0].device if units else torch.device("cpu")
         self._launcher = LaunchThread(device) if launch_thread else None
+        # Stops the thread when the container is closed or, left unclosed, freed.
+        self._stop_launcher = weakref.finalize(self, self._launcher.close) if launch_thread else None
         self._params = [p for unit in units for p in unit]
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._presence = GradPresence(self._params, process_group)
@@ -48,31 +53,20 @@ class OverlappedDDP(DataParallelModule):
         self._got_grad = [False] * len(self._params)  # per parameter: accumulated since the last synchronisation
         self._next_unit = 0
         self._zeros: dict[tuple[int, int], torch.Tensor] = {}  # (unit, index): sent for a gradient this rank lacks
-        self._owners: list[list[int]] | None = None  # per unit, each gradient's owner (reduce_to_owners)
-        self._clipped: list[nn.Parameter] | None = None  # what clip_grad_norm_ reads and scales (clip_only_owned)
-        self._owner_ranks: list[list[int]] = []  # the same owners as ranks of the gradient group
+        self._owners: OwnedGradients | None = None  # assign_owners
+        self._clipped: list[nn.Parameter] | None = None  # what clip_grad_norm_ reads and scales, once owners are known
         flat_index = 0
         for u, unit in enumerate(units):
             for param in unit:
-                hook = partial(self._on_grad_accumulated, u, flat_index)
+                hook = self._weak_hook(self._on_grad_accumulated, u, flat_index)
                 self._add_hook(param.register_post_accumulate_grad_hook(hook))
                 flat_index += 1
 
-    def reduce_to_owners(self, owner: Callable[[nn.Parameter], int]) -> None:
-        """From the next synchronisation on, reduce each gradient to its mean on the rank ``owner(param)`` names
-        (a ZeRO-1 optimizer's owner of that parameter) and drop it on the other ranks, instead of averaging it
-        on every rank: half the bytes of an all-reduce cross the link, and each rank keeps only the gradients
-        it steps. Clipping must then combine the ranks' norms: ``clip_grad_norm_`` does."""
-        group = self._averager.group
-        self._owners = [[owner(p) for p in unit] for unit in self._units]
-        self._owner_ranks = [[dist.get_group_rank(group, rank) for rank in unit] for unit in self._owners]
-        self.clip_only_owned(owner)
-
-    def clip_only_owned(self, owner: Callable[[nn.Parameter], int]) -> None:
-        """Have ``clip_grad_norm_`` read and scale only the gradients of the parameters ``owner(param)`` gives this
-        rank, the ranks' squared norms summed (a collective), for a ZeRO-1 optimizer that steps only those: the
-        clip's passes over the gradients are split among the ranks, and the other gradients are left unscaled."""
-        self._clipped = [p for p in self._params if owner(p) == self.rank]
+    def assign_owners(self, owners: OwnedGradients) -> None:
+        """From the next synchronisation on, clip (and, reducing to owners, send) gradients as ``owners`` says."""
+        owners.attach(self._units, self._averager.group, self.rank)
+        self._owners = owners
+        self._clipped = owners.owned(self._params)
 
     @property
     def units(self) -> list[list[nn.Parameter]]:
@@ -90,7 +84,7 @@ class OverlappedDDP(DataParallelModule):
         (a parameter without one on this rank sends the zeros ``_prepare_late`` made)."""
         grads = [p.grad if p.grad is not None else self._zeros[(unit, i)] for i, p in enumerate(self._units[unit])]
         if self._owners is not None:
-            return self._averager.start_to_owners(grads, self._owner_ranks[unit])
+            return self._owners.start(self._averager, grads, unit)
         return self._averager.start(grads)
 
     def _prepare_late(self, unit: int) -> None:
@@ -155,21 +149,16 @@ class OverlappedDDP(DataParallelModule):
         for unit, work in enumerate(self._works):
             work.wait()
             if self._owners is not None:
-                self._drop_unowned(unit)
+                self._owners.settle(unit, self._units[unit])
             yield unit
         if holds_every_gradient:
             self._presence.wait()
         self._reset()
 
-    def _drop_unowned(self, unit: int) -> None:
-        for param, owner in zip(self._units[unit], self._owners[unit]):
-            if owner != self.rank:
-                param.grad = None
-
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the synchronised gradients to a global 2-norm of at most ``max_norm``; the norm before clipping.
-        After ``clip_only_owned`` (or ``reduce_to_owners``) only this rank's own parameters' gradients are scaled."""
+        Once owners are assigned, only the gradients of this rank's own parameters are scaled."""
         total = self.grad_norm()
         clipped = self._params if self._clipped is None else self._clipped
         torch.nn.utils.clip_grads_with_norm_(clipped, max_norm, total)  # scales each .grad there is
@@ -177,8 +166,8 @@ class OverlappedDDP(DataParallelModule):
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """The global 2-norm of the synchronised gradients. After ``clip_only_owned`` (or ``reduce_to_owners``) each
-        rank takes its own parameters' gradients and their squared norms are summed over ranks (a collective)."""
+        """The global 2-norm of the synchronised gradients. Once owners are assigned, each rank takes its own
+        parameters' gradients and their squared norms are summed over ranks (a collective)."""
         owned = self._clipped is not None
         grads = [p.grad for p in (self._clipped if owned else self._params) if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self._params[0].device)
@@ -198,9 +187,15 @@ class OverlappedDDP(DataParallelModule):
                     param.grad = self._zeros.pop((u, i))  # averaged in place by the unit's wait
 
     def remove_hooks(self) -> None:
+        """Detach the container from its parameters' hooks and stop its launch thread (after the launches queued)."""
         super().remove_hooks()
-        if self._launcher is not None:
-            self._launcher.close()
+        if self._stop_launcher is not None:
+            self._stop_launcher()
+
+    def close(self) -> None:
+        super().close()
+        self._presence = None
+        self._works = [None] * len(self._units)
 
     def _reset(self) -> None:
         self._works = [None] * len(self._units)

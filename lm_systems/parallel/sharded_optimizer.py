@@ -69,7 +69,20 @@ class ShardedOptimizer(StagedOptimizer):
         # Every rank's parameters of each stage, in param_groups order (the exchange's order on every rank).
         self._stage_params: list[list[torch.Tensor]] = [[] for _ in range(exchange_stages)]
         self._consolidated: dict[str, Any] | None = None
+        self._closed = False
         super().__init__(params, optimizer_cls, exchange_stages, **kwargs)
+
+    def __enter__(self) -> ShardedOptimizer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the process group, so that nothing of it outlives the optimizer's use once the caller destroys it; a
+        later ``step`` raises. ``state_dict``, ``load_state_dict`` and the stepped parameters stay as they are."""
+        self._group = None
+        self._closed = True
 
     # -- sharding ----------------------------------------------------------------------------
 
@@ -82,7 +95,7 @@ class ShardedOptimizer(StagedOptimizer):
             self._load[rank] += param.numel()
         for rank in range(self.world_size):
             shard = [p for p in params if self._owner[id(p)] == rank]
-            for param, stage in zip(shard, cut_into_stages([p.numel() for p in shard], self._num_stages)):
+            for param, stage in zip(shard, cut_into_stages([p.numel() for p in shard], self._num_stages), strict=True):
                 self._stage_of[id(param)] = stage
         for param in params:
             self._stage_params[self._stage_of[id(param)]].append(param)
@@ -108,6 +121,8 @@ class ShardedOptimizer(StagedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._closed:
+            raise RuntimeError("this ShardedOptimizer was closed (its process group dropped): build a new one to step")
         loss = self.prepare_step(closure)
         works: list[dist.Work] = []
         for stage, optimizer in enumerate(self._stages):
@@ -198,11 +213,11 @@ class ShardedOptimizer(StagedOptimizer):
         stage_states: list[dict[int, Any]] = [{} for _ in stages]
         stage_groups: list[list[dict[str, Any]]] = [[] for _ in stages]
         counts = [0 for _ in stages]  # each stage optimizer numbers its parameters 0, 1, ... over its groups
-        for group, saved in zip(self.param_groups, groups):
+        for group, saved in zip(self.param_groups, groups, strict=True):
             hyperparameters = {k: v for k, v in saved.items() if k != "params"}
             group.update(hyperparameters)
             indices: list[list[int]] = [[] for _ in stages]
-            for p, i in zip(group["params"], saved["params"]):
+            for p, i in zip(group["params"], saved["params"], strict=True):
                 if self._owner[id(p)] != self.rank:
                     continue
                 stage = self._stage_of[id(p)]
@@ -215,7 +230,7 @@ class ShardedOptimizer(StagedOptimizer):
         # Optimizer.load_state_dict replaces an optimizer's state dict object; keep the one ``self.state``
         # (and any wrapper that copied the attribute, like Lightning's LightningOptimizer) refers to.
         self.state.clear()
-        for optimizer, state, param_groups in zip(self._stages, stage_states, stage_groups):
+        for optimizer, state, param_groups in zip(self._stages, stage_states, stage_groups, strict=True):
             optimizer.load_state_dict({"state": state, "param_groups": param_groups})
             self.state.update(optimizer.state)
             optimizer.state = self.state

@@ -289,7 +289,7 @@ class ShardedUnit:
             means = means.to(self._master_dtype)  # one cast for the unit (none if it is the reduce dtype)
         # All present here means present everywhere: no read of the flags (no host-device sync).
         anywhere = pending.local_present if all(pending.local_present) else (output[self.grad_numel :] > 0).tolist()
-        for p, grad, present in zip(self.trainable, means.split(self._grad_sizes), anywhere):
+        for p, grad, present in zip(self.trainable, means.split(self._grad_sizes), anywhere, strict=True):
             if not present:
                 continue
             grad = grad.view(p.shard.shape)

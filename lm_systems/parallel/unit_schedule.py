@@ -94,7 +94,7 @@ class UnitSchedule:
         needing = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if needing:
             marked = _PostBackward.apply(lambda: self._post_backward(unit), *(leaves[i] for i in needing))
-            for i, tensor in zip(needing, marked):
+            for i, tensor in zip(needing, marked, strict=True):
                 leaves[i] = tensor
 
     def post_forward_hook(self, unit: ShardedUnit):
@@ -152,6 +152,13 @@ class UnitSchedule:
             unit.drop_prefetch()
             unit.free()
         self._end_of_backward_queued = False
+
+    def forget_units(self) -> None:
+        """Hold no unit any more (the container unwrapped its module): a later forward or end of backward has none to
+        free, and the units, with the process group they hold, go once nothing else holds them."""
+        self.units, self._forward_order, self._predicted = [], [], []
+        self._awaiting_backward.clear()
+        self._reductions.clear()
 
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters still in flight; their means land in the shards' ``.grad``."""

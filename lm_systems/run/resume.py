@@ -180,8 +180,10 @@ class ThisRunsOptimizerSettings(L.Callback):
         if trainer.ckpt_path is None:
             return
         optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
-        for group, settings in zip(optimizer.param_groups, self._settings):
+        for group, settings in zip(optimizer.param_groups, self._settings, strict=True):
             group.update(settings, initial_lr=settings["lr"])
         scheduler.base_lrs = [settings["lr"] for settings in self._settings]
-        for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        for group, base_lr, factor in zip(
+            optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+        ):
             group["lr"] = base_lr * factor(scheduler.last_epoch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal, Optional, Union
 
 import lightning.pytorch as L
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
 
 from lm_systems.errors import InputError
@@ -12,6 +13,11 @@ from lm_systems.model.transformer import TransformerLM
 from lm_systems.training.strategy_offers import BlockRuns
 
 CompileChoice = Union[bool, Literal["blocks", "model", "buckets"]]
+
+
+def bucketing_strategies() -> list[str]:
+    """The registered strategy names whose strategies offer ``BlockRuns``."""
+    return [name for name, entry in StrategyRegistry.items() if issubclass(entry["strategy"], BlockRuns)]
 
 
 def compile_model(
@@ -28,7 +34,7 @@ def compile_model(
             name = type(strategy).__name__ if strategy is not None else "no trainer"
             raise InputError(
                 f"--model.compile buckets compiles the blocks whose gradients share a bucket as one "
-                f"graph: it needs a bucketing strategy (--strategy bucketed_ddp or zero1), got "
+                f"graph: it needs a bucketing strategy (--strategy {' or '.join(bucketing_strategies())}), got "
                 f"{name}; use --model.compile true"
             )
         runs = strategy.block_runs(module, model.blocks)

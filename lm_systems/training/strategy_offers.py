@@ -1,5 +1,6 @@
-"""What a training strategy and the LightningModule offer each other, as small typed protocols: strategies implement
-(or call) them, and lm_systems checks for them with ``isinstance`` (it never imports the strategies)."""
+"""What a training strategy and the LightningModule offer each other, as small typed protocols, and the names the
+strategies share: strategies implement (or call) the protocols, and lm_systems checks for them with ``isinstance`` (it
+never imports the strategies)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtypes a strategy's option may name for communication or compute (``grad_comm_dtype``, ``compute_dtype``)."""
 
 
 @runtime_checkable
@@ -47,7 +51,7 @@ class BlockRuns(Protocol):
 
 @runtime_checkable
 class ShardingUnits(Protocol):
-    """What a sharding strategy (zero3, fsdp2) needs of the LightningModule: what to shard one by one."""
+    """What a sharding strategy needs of the LightningModule: what to shard one by one."""
 
     def sharding_units(self) -> tuple[nn.Module, Sequence[nn.Module]]:
         """The module each step's forward runs, and the submodules inside it to shard one by one (each block)."""

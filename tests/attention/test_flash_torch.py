@@ -48,7 +48,7 @@ def test_matches_float64_reference(lead, n_q, n_k, d, is_causal):
     grad_out = torch.randn_like(out)
     got = _grads(lambda *a: FlashAttention2Torch.apply(*a, is_causal), q, k, v, grad_out)
     want = _grads(lambda *a: reference_attention(*a, is_causal)[0], q, k, v, grad_out)
-    for name, g, r in zip("qkv", got, want):
+    for name, g, r in zip("qkv", got, want, strict=True):
         assert rel_error(g, r) < 1e-12, name
 
 
@@ -97,7 +97,7 @@ def test_runs_under_torch_compile():
     got = _grads(lambda *a: compiled(*a, True), q, k, v, grad_out)
     want = _grads(lambda *a: reference_attention(*a, True)[0], q, k, v, grad_out)
     # float32 as in test_low_precision_inputs_accumulate_in_fp32: a few ulps (1.2e-7) grown over the 33 keys.
-    for name, g, r in zip("qkv", got, want):
+    for name, g, r in zip("qkv", got, want, strict=True):
         assert rel_error(g, r) < 1e-5, name
 
 

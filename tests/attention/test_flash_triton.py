@@ -72,7 +72,7 @@ def _check_against_reference(q, k, v, is_causal, fn=FlashAttention2Triton.apply)
     grad_out = torch.randn_like(out)
     got = _grads(lambda *a: fn(*a, is_causal), q, k, v, grad_out)
     want = _grads(lambda *a: reference_attention(*a, is_causal)[0], q, k, v, grad_out)
-    for name, g, r in zip("qkv", got, want):
+    for name, g, r in zip("qkv", got, want, strict=True):
         assert rel_error(g, r) < bound["grad"], name
 
 

@@ -55,7 +55,7 @@ def test_autotuned_benchmark_shape(d, monkeypatch):
         ref_out, _ = reference_attention(qh, kh, vh, True)
         assert rel_error(out[:, h], ref_out) < BOUNDS[torch.bfloat16]["out"]
         want = _grads(lambda *a: reference_attention(*a, True)[0], qh, kh, vh, grad_out[:, h])
-        for name, t, r in zip("qkv", (q, k, v), want):
+        for name, t, r in zip("qkv", (q, k, v), want, strict=True):
             assert rel_error(t.grad[:, h], r) < BOUNDS[torch.bfloat16]["grad"], name
 
 

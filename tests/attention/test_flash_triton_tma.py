@@ -62,7 +62,7 @@ def test_descriptor_loads_give_the_pointer_loads_gradients(monkeypatch, chosen):
         monkeypatch.setenv(TMA_ENV, setting)
         grads[setting] = _grads(lambda *a: FlashAttention2Triton.apply(*a, True), q, k, v, grad_out)
     assert chosen == [False, True]
-    for name, by_pointer, by_descriptor in zip("qkv", grads["0"], grads["1"]):
+    for name, by_pointer, by_descriptor in zip("qkv", grads["0"], grads["1"], strict=True):
         torch.testing.assert_close(by_descriptor, by_pointer, rtol=1e-6, atol=1e-6, msg=name)
 
 

@@ -51,7 +51,7 @@ def test_two_processes_started_together_tune_once(tmp_path, tuning_cache_dir):
     # Each candidate's timing sleeps a second: the second process waits on the entry's lock, then reads it.
     outs = [tmp_path / "a.json", tmp_path / "b.json"]
     processes = [_start_worker(out, bench_seconds=1.0) for out in outs]
-    results = [_worker_result(process, out) for process, out in zip(processes, outs)]
+    results = [_worker_result(process, out) for process, out in zip(processes, outs, strict=True)]
     assert sorted(result["timed"] for result in results) == [0, 2]
     assert all(result["block"] == 16 for result in results)
     (entry,) = tuning_cache_dir.glob("*.json")

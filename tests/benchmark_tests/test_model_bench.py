@@ -43,10 +43,10 @@ def test_modes_do_what_they_say():
     before = [p.detach().clone() for p in model.parameters()]
     for mode in ("forward", "forward_backward"):
         bench.measure(model, _case(mode), torch.device("cpu"))
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), mode
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)), mode
         assert all(p.grad is None for p in model.parameters())
     bench.measure(model, _case("train_step"), torch.device("cpu"))
-    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
 @pytest.mark.slow

@@ -192,7 +192,7 @@ def test_paired_bench_alternates_variants_and_reports_ratios(paired_run):
     with open(out / "ddp_paired_tiny_2cpu.csv") as f:
         written = list(csv.DictReader(f))
     assert len(written) == len(rows)
-    for row, line in zip(rows, written):
+    for row, line in zip(rows, written, strict=True):
         assert row["iterations"] == int(line["iterations"]) == 3 and row["A_ms"] > 0 and row["B_ms"] > 0
         for column in ("A_ms", "B_ms", "B_over_A", "B_over_A_q1", "B_over_A_q3"):
             assert float(line[column]) == row[column], column

@@ -82,7 +82,7 @@ def test_a_setups_own_flag_wins_over_the_flags_for_every_setup(tmp_path):
             "--model.activation_checkpointing blocks",
         ]
     )
-    command = bench.train_py_command(args.configs[0], args.setups[0], args, tmp_path, tmp_path / "timer")
+    command = bench.visit_command(args.configs[0], args.setups[0], args, tmp_path, tmp_path / "timer")
     given = [i for i, arg in enumerate(command) if arg == "--model.activation_checkpointing"]
     assert command[given[-1] + 1] == "keep_attention"  # LightningCLI takes the last value given
 

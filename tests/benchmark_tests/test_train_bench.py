@@ -63,7 +63,7 @@ def test_cpu_run_writes_both_paths_their_ratio_and_the_attention_ratio(tmp_path,
         assert len(train_py) == len(plain) == 2 and min(train_py + plain) > 0
         assert_row(by_path["train_py"], train_py)
         assert_row(by_path["plain"], plain)
-        assert_row(by_path["train_py / plain"], [a / b for a, b in zip(train_py, plain)])
+        assert_row(by_path["train_py / plain"], [a / b for a, b in zip(train_py, plain, strict=True)])
     # Both setups' plain loops ran both attentions: two segments each, four ratios.
     (attention,) = [row for row in rows if row["path"] == "plain naive / sdpa"]
     assert attention["setup"] == "tiny ctx32×2 bf16-mixed"
@@ -72,7 +72,7 @@ def test_cpu_run_writes_both_paths_their_ratio_and_the_attention_ratio(tmp_path,
         [
             a.ms_per_step / b.ms_per_step
             for rounds in measured.values()
-            for a, b in zip(rounds.plain["naive"], rounds.plain["sdpa"])
+            for a, b in zip(rounds.plain["naive"], rounds.plain["sdpa"], strict=True)
         ],
     )
 
@@ -179,7 +179,7 @@ def test_each_setup_lets_go_of_its_models_before_the_next(tmp_path, monkeypatch)
     made, alive = weakref.WeakSet(), []
     for kind, method in ((LitLM, "setup"), (bench.PlainLoop, "step")):
 
-        def recording(self, *args, _original=getattr(kind, method), **kwargs):
+        def recording(self, *args, _original=getattr(kind, method), **kwargs):  # noqa: B008  binds this turn's method
             made.add(self)
             return _original(self, *args, **kwargs)
 

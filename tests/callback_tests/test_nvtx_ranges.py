@@ -44,7 +44,7 @@ def test_training_is_unchanged(tmp_path):
     fit(marked, [NVTXRanges(validation=True)], tmp_path / "marked", max_steps=4)
     assert len(plain.losses) == 4
     assert marked.losses == plain.losses
-    for p, q in zip(plain.parameters(), marked.parameters()):
+    for p, q in zip(plain.parameters(), marked.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 

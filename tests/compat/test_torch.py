@@ -77,7 +77,7 @@ def test_fused_adamw_divides_the_gradients_in_its_step_as_told():
     def trained(grads: list[torch.Tensor], divisors: list) -> torch.Tensor:
         param = torch.nn.Parameter(torch.linspace(-1, 1, 5))
         optimizer = torch.optim.AdamW([param], lr=0.1, weight_decay=0.5, fused=True)
-        for grad, divisor in zip(grads, divisors):
+        for grad, divisor in zip(grads, divisors, strict=True):
             param.grad = grad.clone()
             assert compat.can_scale_in_step(optimizer)
             compat.scale_in_step(optimizer, divisor)

@@ -48,7 +48,7 @@ def test_ranks_come_from_the_attached_trainer(tmp_path):
         module.trainer = SimpleNamespace(global_rank=rank, world_size=2)
         module.setup("fit")
         batches.append(list(itertools.islice(iter(module.train_dataloader()), 3)))
-    assert all(not torch.equal(a, b) for a, b in zip(*batches))
+    assert all(not torch.equal(a, b) for a, b in zip(*batches, strict=True))
     alone = list(itertools.islice(iter(generated(tmp_path).train_dataloader()), 3))
     assert not torch.equal(alone[0], batches[0][0]), "world size 1 and 2 draw different streams"
 
@@ -115,7 +115,7 @@ def test_resume_continues_the_stream_where_the_checkpoint_left_it(tmp_path, num_
 
     resumed = fit(tmp_path, generated(tmp_path, num_workers=num_workers), 7, accumulate, ckpt_path=step3)
     assert len(resumed) == 4 * accumulate
-    for a, b in zip(full[3 * accumulate :], resumed):
+    for a, b in zip(full[3 * accumulate :], resumed, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -206,7 +206,7 @@ def test_two_processes_train_on_different_windows_and_split_validation(tmp_path)
     )
     trainer.fit(RankRecorder(str(tmp_path)), datamodule=module)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    for a, b in zip(ranks[0]["train"], ranks[1]["train"]):
+    for a, b in zip(ranks[0]["train"], ranks[1]["train"], strict=True):
         assert a.shape == b.shape == (5, 32) and not torch.equal(a, b)
     # Together the ranks validate on exactly the single-process validation set, in equal shares.
     assert len(ranks[0]["val"]) == len(ranks[1]["val"]) == 2

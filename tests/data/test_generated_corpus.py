@@ -16,7 +16,7 @@ def test_same_seed_gives_the_same_stories_and_another_seed_different_ones(seed):
     first = list(generate_stories(37, seed))
     assert first == list(generate_stories(37, seed))
     other = list(generate_stories(37, seed + 1))
-    assert sum(a != b for a, b in zip(first, other)) > 30
+    assert sum(a != b for a, b in zip(first, other, strict=True)) > 30
 
 
 def test_a_longer_corpus_extends_a_shorter_one():

@@ -25,7 +25,7 @@ def test_batches_are_uniform_ids_in_range_and_a_function_of_seed_rank_and_index(
     # Uniform: each of the 50 ids about 1/50 of 7,680 draws (a binomial's sd is ~12 around its 154).
     assert (torch.bincount(ids.flatten(), minlength=50) - ids.numel() / 50).abs().max() < 60
     again = take(SyntheticTrainStream(50, 63, 4, seed=7), 30)
-    assert all(torch.equal(a, b) for a, b in zip(batches, again))
+    assert all(torch.equal(a, b) for a, b in zip(batches, again, strict=True))
     assert not torch.equal(batches[0], batches[1])
     other_seed = take(SyntheticTrainStream(50, 63, 4, seed=8), 1)[0]
     rank1 = take(SyntheticTrainStream(50, 63, 4, seed=7, rank=1, world_size=2), 1)[0]
@@ -36,7 +36,7 @@ def test_batches_are_uniform_ids_in_range_and_a_function_of_seed_rank_and_index(
 def test_a_resumed_stream_continues_where_the_whole_one_is():
     whole = take(SyntheticTrainStream(50, 15, 2, seed=3, rank=1, world_size=3), 10)
     resumed = take(SyntheticTrainStream(50, 15, 2, seed=3, rank=1, world_size=3, start_batch=7), 3)
-    assert all(torch.equal(a, b) for a, b in zip(whole[7:], resumed))
+    assert all(torch.equal(a, b) for a, b in zip(whole[7:], resumed, strict=True))
 
 
 def test_validation_windows_are_the_same_set_on_any_number_of_ranks_and_apart_from_training():
@@ -76,7 +76,7 @@ def test_the_datamodule_serves_each_rank_its_own_stream_and_a_share_of_one_valid
         validated += [row for batch in data.val_dataloader() for row in batch.tolist()]
         expected = take(SyntheticTrainStream(50, 15, 2, seed=3, rank=rank, world_size=2), 3)
         assert all(torch.equal(a, b) for a, b in zip(trained[-1], expected, strict=True)), rank
-    assert not any(torch.equal(a, b) for a, b in zip(*trained))
+    assert not any(torch.equal(a, b) for a, b in zip(*trained, strict=True))
     alone = [row for batch in synthetic_data(tmp_path, 0, 1).val_dataloader() for row in batch.tolist()]
     assert sorted(validated) == sorted(alone) and len(alone) == 16 * 2  # val_batches 16 × batch 2
 

@@ -29,7 +29,7 @@ def assert_windows_of(batch: torch.Tensor, tokens: np.ndarray) -> np.ndarray:
     """Every row is a contiguous run of ``tokens``; returns the start offsets."""
     position = np.argsort(tokens)
     starts = position[batch[:, 0].numpy()]
-    for row, start in zip(batch, starts):
+    for row, start in zip(batch, starts, strict=True):
         np.testing.assert_array_equal(row.numpy(), tokens[start : start + batch.shape[1]])
     return starts
 
@@ -57,7 +57,7 @@ def test_ranks_draw_different_windows_reproducibly(unique_tokens):
     rank0 = take(TrainWindowStream(path, 15, 8, seed=11, rank=0, world_size=2), 6)
     rank1 = take(TrainWindowStream(path, 15, 8, seed=11, rank=1, world_size=2), 6)
     again = take(TrainWindowStream(path, 15, 8, seed=11, rank=1, world_size=2), 6)
-    for a, b, c in zip(rank0, rank1, again):
+    for a, b, c in zip(rank0, rank1, again, strict=True):
         torch.testing.assert_close(b, c, rtol=0, atol=0)
         overlap = set(assert_windows_of(a, tokens)) & set(assert_windows_of(b, tokens))
         assert len(overlap) <= 1, "ranks should see (almost always) different windows"
@@ -69,7 +69,7 @@ def test_stream_started_at_k_continues_the_full_stream(unique_tokens):
     path, _ = unique_tokens
     full = take(TrainWindowStream(path, 9, 3, seed=5, rank=1, world_size=3), 10)
     resumed = take(TrainWindowStream(path, 9, 3, seed=5, rank=1, world_size=3, start_batch=7), 3)
-    for a, b in zip(full[7:], resumed):
+    for a, b in zip(full[7:], resumed, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -78,7 +78,7 @@ def test_dataloader_workers_keep_the_serial_order(unique_tokens):
     stream = TrainWindowStream(path, 9, 3, seed=5, start_batch=2)
     serial = take(stream, 7)
     loader = DataLoader(stream, batch_size=None, num_workers=2)
-    for a, b in zip(serial, take(loader, 7)):
+    for a, b in zip(serial, take(loader, 7), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -116,5 +116,5 @@ def test_validation_windows_with_workers_match_without(tmp_path):
     serial = list(dataset)
     parallel = list(DataLoader(dataset, batch_size=None, num_workers=2))
     assert len(serial) == len(parallel) == len(dataset) == 9
-    for a, b in zip(serial, parallel):
+    for a, b in zip(serial, parallel, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

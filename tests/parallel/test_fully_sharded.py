@@ -33,7 +33,7 @@ def assert_params_close(actual: dict, expected: dict, atol: float) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(
-            actual[name].detach(), expected[name].detach(), atol=atol, rtol=0, msg=lambda m: f"{name}: {m}"
+            actual[name].detach(), expected[name].detach(), atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}"
         )
 
 
@@ -163,7 +163,11 @@ def assert_optimizer_states_close(actual: dict, expected: dict) -> None:
         assert actual["state"][index].keys() == values.keys()
         for key, value in values.items():
             torch.testing.assert_close(
-                actual["state"][index][key], value, atol=1e-6, rtol=1e-4, msg=lambda m: f"param {index} {key}: {m}"
+                actual["state"][index][key],
+                value,
+                atol=1e-6,
+                rtol=1e-4,
+                msg=lambda m, index=index, key=key: f"param {index} {key}: {m}",
             )
 
 
@@ -294,7 +298,7 @@ def test_a_unit_called_with_keywords_casts_its_tensors_and_reduces_its_gradients
             param.grad,
             atol=tolerance,
             rtol=tolerance,
-            msg=lambda m: f"{name}: {m}",
+            msg=lambda m, name=name: f"{name}: {m}",
         )
 
 

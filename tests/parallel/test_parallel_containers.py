@@ -20,7 +20,9 @@ def runs(tmp_path_factory, spawn_two_ranks):
 def assert_state_close(actual: dict, expected: dict, atol: float = 1e-5) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], expected[name], atol=atol, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("name", RUNS)

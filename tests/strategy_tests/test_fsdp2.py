@@ -53,4 +53,6 @@ def test_fsdp2_ends_where_torch_ddp_ends(tmp_path, train_py):
     assert runs["fsdp2"].keys() == runs["ddp"].keys()
     for name, weight in runs["ddp"].items():
         assert not isinstance(runs["fsdp2"][name], DTensor), "full weights, not shards"
-        torch.testing.assert_close(runs["fsdp2"][name], weight, atol=2e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            runs["fsdp2"][name], weight, atol=2e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )

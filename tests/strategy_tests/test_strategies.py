@@ -61,7 +61,9 @@ def assert_state_close(actual: dict, expected: dict) -> None:
     # float32 throughout: two half-batch sums averaged vs one whole-batch sum differ by a few ulps (~1e-7)
     # per gradient element, grown over 4 AdamW steps; a wrong average moves weights by ~1e-2.
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.slow

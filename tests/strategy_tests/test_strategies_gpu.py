@@ -86,4 +86,6 @@ def test_training_matches_one_gpu_on_the_global_batch(out_dir, references, name,
         torch.testing.assert_close(norm, torch.tensor(reference["grad_norms"]), rtol=1e-2, atol=0)
     for run in runs:
         for key, value in reference["final"].items():  # weights of magnitude up to ~2
-            torch.testing.assert_close(run["final"][key], value, rtol=0, atol=1e-3, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                run["final"][key], value, rtol=0, atol=1e-3, msg=lambda m, key=key: f"{key}: {m}"
+            )

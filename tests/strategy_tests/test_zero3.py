@@ -48,7 +48,9 @@ def runs(out_dir, spawn_two_ranks) -> dict[str, list[dict]]:
 def assert_state_close(actual: dict, expected: dict) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_trains_like_one_process_on_the_global_batch(runs, reference):
