@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_names
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
-from lm_systems.files.checkpoint_io import NEWEST, SafeCheckpointIO, newest_run_checkpoint, require_checkpoint_file
+from lm_systems.files.checkpoint_io import NEWEST, SafeCheckpointIO, require_checkpoint_file
 from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.model.config import MODEL_SIZES, ModelConfig
@@ -30,7 +30,7 @@ from lm_systems.run.device_fit import check_model_fits_device, device_type
 from lm_systems.run.help_cache import SUBCOMMANDS
 from lm_systems.run.logger import run_version_of
 from lm_systems.run.output_folders import make_output_folder
-from lm_systems.run.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings
+from lm_systems.run.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings, checkpoint_to_resume
 from lm_systems.run.strategy_flags import strategy_names_as_classes
 from lm_systems.run.summary import RunSummary
 
@@ -60,6 +60,14 @@ TRAINER_DEFAULTS = {
 }
 
 
+CKPT_PATH_HELP = (
+    f"the checkpoint to resume from: a path, or {NEWEST}: the newest checkpoint among the runs under "
+    "--trainer.default_root_dir (else the working folder): their last.ckpt, or the crash.ckpt a stopped run named. "
+    "The resumed run continues that run's settings (strategy, devices, max_steps, data, model); those typed "
+    "here win, except the model's shape. A checkpoint already at --max_steps is refused: raise it to train on."
+)
+
+
 def _data_context_length(size: str, context_length: Optional[int]) -> int:
     """The model's context, which the data windows follow. A bad size or length is LitLM's to report (naming the
     flag); jsonargparse would wrap an error raised here in a dump of this link."""
@@ -84,6 +92,13 @@ class LMArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Optional[Exception] = None) -> Any:
         super().error(one_line(message), ex)
+
+    def add_method_arguments(self, *args: Any, **kwargs: Any) -> Any:
+        added = super().add_method_arguments(*args, **kwargs)
+        for action in self._actions:
+            if action.dest == "ckpt_path":  # Lightning's text describes its own `last`, not this project's
+                action.help = CKPT_PATH_HELP
+        return added
 
 
 class RunConfigFile(SaveConfigCallback):
@@ -151,6 +166,8 @@ class LMCLI(CommandLineOverCheckpointCLI):
             for name in SHORT_FLAGS:
                 if config.get(name) is not None:
                     config.trainer[name] = config[name]
+            if saved is not None:
+                saved.refuse_a_finished_run(config.trainer.get("max_steps"))
             check_trainer_choices(config.trainer, self._parts.strategy_names)
             check_model_fits_device(config.model, config.trainer.get("accelerator"))
             choose_cpu_threads(device_type(config.trainer.get("accelerator")))
@@ -231,11 +248,11 @@ class LMCLI(CommandLineOverCheckpointCLI):
 
 
 def _resolved_ckpt_path(config: Any) -> Optional[str]:
-    """``--ckpt_path``, with ``last`` read as ``python -m lm_systems.generate --ckpt last`` reads it: the newest run's
-    last.ckpt under ``--trainer.default_root_dir`` (else the working folder)."""
+    """``--ckpt_path``, with ``last`` read as the newest checkpoint among the runs under ``--trainer.default_root_dir``
+    (else the working folder): their ``last.ckpt``, or the ``crash.ckpt`` a stopped run named."""
     ckpt_path = config.get("ckpt_path")
     if ckpt_path == NEWEST:
-        ckpt_path = str(newest_run_checkpoint(config.trainer.get("default_root_dir") or ".", "--ckpt_path"))
+        ckpt_path = str(checkpoint_to_resume(config.trainer.get("default_root_dir") or "."))
         rank_zero_info(f"--ckpt_path {NEWEST}: resuming from {ckpt_path}")
     return ckpt_path
 
