@@ -30,6 +30,7 @@ from lm_systems.run.device_fit import check_model_fits_device, device_type
 from lm_systems.run.help_cache import SUBCOMMANDS
 from lm_systems.run.logger import run_version_of
 from lm_systems.run.output_folders import make_output_folder
+from lm_systems.run.rank_watch import RankWatch
 from lm_systems.run.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings, checkpoint_to_resume
 from lm_systems.run.strategy_flags import strategy_names_as_classes
 from lm_systems.run.summary import RunSummary
@@ -209,6 +210,7 @@ class LMCLI(CommandLineOverCheckpointCLI):
             *self._parts.callbacks(),
             RunConfigRecord(_subcommand_part(self.config)),
             ResumedLoggingSteps(),
+            RankWatch(),
             RunSummary(),
         ]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]

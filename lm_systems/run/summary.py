@@ -111,15 +111,15 @@ class RunSummary(L.Callback):
             )
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "")
         if checkpoint:
-            lines.append(("checkpoint", _shown(checkpoint)))
+            lines.append(("checkpoint", shown_path(checkpoint)))
         logger = trainer.logger
         if isinstance(logger, TensorBoardLogger):
             run = os.path.relpath(logger.log_dir, logger.save_dir)
-            lines.append(("logs", f"{_shown(logger.log_dir)} (TensorBoard run {run})"))
+            lines.append(("logs", f"{shown_path(logger.log_dir)} (TensorBoard run {run})"))
         if checkpoint:
-            lines.append(("sample it", f"python -m lm_systems.generate --ckpt {shlex.quote(_shown(checkpoint))}"))
+            lines.append(("sample it", f"python -m lm_systems.generate --ckpt {shlex.quote(shown_path(checkpoint))}"))
         if isinstance(logger, TensorBoardLogger):
-            lines.append(("view it", f"tensorboard --logdir {shlex.quote(_shown(logger.save_dir))}"))
+            lines.append(("view it", f"tensorboard --logdir {shlex.quote(shown_path(logger.save_dir))}"))
         return lines
 
     def _speed(self, trainer: L.Trainer) -> list[tuple[str, str]]:
@@ -179,7 +179,7 @@ def _losses(trainer: L.Trainer, val_step: Optional[int]) -> str:
     return ", ".join(parts) or "none logged"
 
 
-def _shown(path: str) -> str:
+def shown_path(path: str) -> str:
     """``path`` relative to the working directory when it lies below it, else absolute."""
     path = os.path.abspath(path)
     relative = os.path.relpath(path)
