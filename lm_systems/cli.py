@@ -26,6 +26,7 @@ from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from lm_systems.run.cli_parts import CLIParts
 from lm_systems.run.config_files import check_config_files
 from lm_systems.run.cpu_threads import choose_cpu_threads
+from lm_systems.run.data_checks import check_data_settings
 from lm_systems.run.device_fit import check_model_fits_device, device_type
 from lm_systems.run.help_cache import SUBCOMMANDS
 from lm_systems.run.logger import run_version_of
@@ -140,6 +141,13 @@ class LMCLI(CommandLineOverCheckpointCLI):
             help="with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version",
         )
         parser.add_argument(
+            "--cpu_step_limit_s",
+            type=float,
+            default=600,
+            help="on a CPU, refuse a model whose step is estimated to take longer than this many seconds (from its "
+            "parameters and tokens a step); 0: no limit",
+        )
+        parser.add_argument(
             "--debug",
             type=bool,
             default=False,
@@ -170,7 +178,13 @@ class LMCLI(CommandLineOverCheckpointCLI):
             if saved is not None:
                 saved.refuse_a_finished_run(config.trainer.get("max_steps"))
             check_trainer_choices(config.trainer, self._parts.strategy_names)
-            check_model_fits_device(config.model, config.trainer.get("accelerator"))
+            check_data_settings(config.data, config.model, config.trainer.get("accelerator"))
+            check_model_fits_device(
+                config.model,
+                config.trainer.get("accelerator"),
+                tokens_per_step=_tokens_per_step(config),
+                cpu_step_limit_s=config.get("cpu_step_limit_s") or 0,
+            )
             choose_cpu_threads(device_type(config.trainer.get("accelerator")))
             make_output_folder(config.trainer.get("default_root_dir"), "--trainer.default_root_dir")
             make_output_folder(config.data.get("cache_dir"), "--data.cache_dir")
@@ -211,7 +225,7 @@ class LMCLI(CommandLineOverCheckpointCLI):
             RunConfigRecord(_subcommand_part(self.config)),
             ResumedLoggingSteps(),
             RankWatch(),
-            RunSummary(),
+            RunSummary(offers_sampling=not _subcommand_part(self.config).data.get("synthetic")),
         ]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
@@ -257,6 +271,13 @@ def _resolved_ckpt_path(config: Any) -> Optional[str]:
         ckpt_path = str(checkpoint_to_resume(config.trainer.get("default_root_dir") or "."))
         rank_zero_info(f"--ckpt_path {NEWEST}: resuming from {ckpt_path}")
     return ckpt_path
+
+
+def _tokens_per_step(config: Any) -> int:
+    """Tokens one process trains on in an optimizer step: windows per batch × their length × micro-batches."""
+    accumulate = config.trainer.get("accumulate_grad_batches")
+    micro_batches = accumulate if isinstance(accumulate, int) and accumulate > 0 else 1
+    return config.data.batch_size * config.data.context_length * micro_batches
 
 
 def _logs_under_default_root_dir(trainer: Any) -> None:
