@@ -72,7 +72,8 @@ class RankWatch(L.Callback):
 
     def __init__(self) -> None:
         self._parent_pid = os.getppid()
-        self._stop = threading.Event()
+        # Made in ``setup``: a spawn launcher pickles the trainer's callbacks, and an Event does not pickle.
+        self._stop: Optional[threading.Event] = None
         self._watch: Optional[threading.Thread] = None
 
     @override
@@ -82,8 +83,9 @@ class RankWatch(L.Callback):
         if stage != "fit" or not ranks:
             return
         stop_child_process_observer()
-        self._stop.clear()
-        self._watch = threading.Thread(target=self._watch_ranks, args=(trainer, ranks), name="rank-watch", daemon=True)
+        self._stop = threading.Event()
+        watched = (trainer, ranks, self._stop)
+        self._watch = threading.Thread(target=self._watch_ranks, args=watched, name="rank-watch", daemon=True)
         self._watch.start()
 
     @override
@@ -91,7 +93,7 @@ class RankWatch(L.Callback):
         if trainer.world_size == 1:
             return
         if not lost_a_peer(exception):
-            self._stop.set()  # this rank's own stop (an error, SIGTERM, Ctrl-C): the others' ends follow from it
+            self._stop_watching()  # this rank's own stop (an error, SIGTERM, Ctrl-C): the others' ends follow from it
             return
         if self._watch is not None:  # rank 0: its watch reports the rank that ended and exits the process
             self._watch.join(REPORT_WAIT_S)
@@ -113,13 +115,18 @@ class RankWatch(L.Callback):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._stop.set()
+        self._stop_watching()
 
-    def _watch_ranks(self, trainer: L.Trainer, ranks: list[subprocess.Popen]) -> None:
-        while not self._stop.wait(POLL_S):
+    def _stop_watching(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    @staticmethod
+    def _watch_ranks(trainer: L.Trainer, ranks: list[subprocess.Popen], stop: threading.Event) -> None:
+        while not stop.wait(POLL_S):
             for local_rank, process in enumerate(ranks, start=1):
                 returncode = process.poll()
-                if returncode is None or returncode in ORDERLY_ENDS or self._stop.is_set():
+                if returncode is None or returncode in ORDERLY_ENDS or stop.is_set():
                     continue
                 global_rank = trainer.node_rank * trainer.num_devices + local_rank
                 for other in ranks:
