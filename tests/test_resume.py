@@ -263,3 +263,15 @@ def test_a_resume_typed_as_a_new_user_would_continues_the_run(first_run, lightni
     assert resumed.datamodule.batch_size == 2 and resumed.datamodule.vocab_size == 300
     assert resumed.model.hparams.lr == 0.5
     assert "trainer.max_steps 2 → 3" in lightning_log.text
+
+
+def test_a_strategy_class_continues_and_a_setting_this_version_lacks_is_dropped(tmp_path, fit_not_run):
+    """A strategy typed with arguments is stored as its class and those (``strategy_flags``); a setting an older
+    version stored and this one lacks is left out, not an error."""
+    older = {key: value for key, value in RUN_310.items() if key != "trainer.strategy"}
+    older["trainer.strategy.class_path"] = "strategies.Zero3Strategy"
+    older["trainer.strategy.init_args.prefetch"] = 2
+    older["data.removed_flag"] = 3
+    cli = main(["--ckpt_path", str(run_checkpoint(tmp_path / "step=100.ckpt", 100, older))])
+    assert type(cli.trainer.strategy).__name__ == "Zero3Strategy" and cli.trainer.num_devices == 2
+    assert cli.config.fit.trainer.strategy.init_args.prefetch == 2 and cli.datamodule.batch_size == 3

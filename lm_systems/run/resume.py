@@ -134,10 +134,16 @@ class SavedSettings:
 
 
 def _known(key: str, config: Namespace) -> bool:
-    """Whether ``key`` or a key above it is one of ``config``'s: ``trainer.strategy.init_args.x`` is, beside a
-    strategy given by name (the layered settings replace the name with the class they name)."""
+    """Whether ``key`` is one of ``config``'s, or lies below one of its values that is not a namespace:
+    ``trainer.strategy.init_args.x`` below a strategy given by name (the layered class replaces the name)."""
+    if key in config:
+        return True
     parts = key.split(".")
-    return any(".".join(parts[:end]) in config for end in range(len(parts), 0, -1))
+    for end in range(len(parts) - 1, 0, -1):
+        above = ".".join(parts[:end])
+        if above in config:
+            return not isinstance(config[above], Namespace)
+    return False
 
 
 def flat_settings(config: Namespace) -> dict[str, Any]:
