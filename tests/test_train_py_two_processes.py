@@ -14,15 +14,12 @@ step and validation on (bucketed_ddp also compiled in runs of blocks that share 
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from run_record import load_records, replay
-from sigterm_run import alive, children_of, local_rank, sigterm_after_first_checkpoint
+from sigterm_run import FAILURES, rank_dies_after_first_checkpoint, sigterm_after_first_checkpoint
 
 STEPS, STOP_AT, ACCUMULATE = 6, 3, 2
 # Below every step's gradient norm in these runs (0.6-0.7 measured), so every step clips: a strategy whose
@@ -166,45 +163,17 @@ def test_sigterm_to_the_launched_run_stops_both_ranks_and_exits_143(strategy, tr
     sigterm_after_first_checkpoint(train_py, tmp_path, *train_py.tiny, *RUN, "--strategy", strategy)
 
 
-FAILURES = {
-    "kill -9 rank 1": ("1", []),
-    "kill -9 rank 0": ("0", []),
-    "an error on rank 1": (None, ["--trainer.callbacks+=tests.failing_rank.FailOnRank"]),  # at step 2
-}
-
-
 @pytest.mark.parametrize("failure", FAILURES)
 def test_a_rank_that_dies_stops_the_run_in_one_line_naming_it_and_the_checkpoint(failure, train_py, tmp_path):
-    killed, flags = FAILURES[failure]
     # A short process-group timeout: a survivor left waiting in a collective would fail the test, not hang it.
-    run_args = [*train_py.tiny, *RUN, "--strategy", "bucketed_ddp", "--trainer.strategy.timeout", "0:01:00", *flags]
-    with train_py.start(*run_args, "--max_steps", "100000", "--checkpointing_interval", "1", cwd=tmp_path) as run:
-        deadline = time.monotonic() + 240
-        while not list(tmp_path.rglob("step=1.ckpt")):
-            assert run.poll() is None and time.monotonic() < deadline, "no step=1.ckpt"
-            time.sleep(0.2)
-        (rank_1,) = [child for child in children_of(run.pid) if local_rank(child) == "1"]
-        if killed is not None:
-            os.kill(run.pid if killed == "0" else rank_1, signal.SIGKILL)
-        stopped_at = time.monotonic()
-        _, err = run.communicate(timeout=120)  # rank 1 writes to the same stderr: this waits for both
-        while alive(rank_1):
-            assert time.monotonic() - stopped_at < 60, "rank 1 still running"
-            time.sleep(0.2)
-        took = time.monotonic() - stopped_at
-    dead = killed or "1"
-    lines = err.strip().splitlines()
-    said = [line for line in lines if line.startswith("error:")]
-    assert len(said) == 1 and said[0] == lines[-1], err[-3000:]
-    how = {"kill -9 rank 1": "(killed by SIGKILL)", "an error on rank 1": "(exit status 1)"}.get(failure, "")
-    assert said[0].startswith(f"error: rank {dead} ") and how in said[0], said[0]
-    assert run.returncode == (-signal.SIGKILL if killed == "0" else 1)
-    assert took < 20 + (30 if killed is None else 0), took  # the error's own traceback takes rank 1 a while
-    survivor = "1" if dead == "0" else "0"
-    assert not any(line.startswith(f"[rank{survivor}]") for line in lines), err[-3000:]  # no survivor traceback
-    named = Path(said[0].rsplit("--ckpt_path ", 1)[1])
-    step = torch.load(tmp_path / named, map_location="cpu", weights_only=False)["global_step"]
-    assert named.name == f"step={step}.ckpt" and step >= 1
-    train_py.run_ok(
-        *run_args[: -len(flags) or None], "--max_steps", str(step + 1), "--ckpt_path", str(named), cwd=tmp_path
+    rank_dies_after_first_checkpoint(
+        train_py,
+        tmp_path,
+        failure,
+        *train_py.tiny,
+        *RUN,
+        "--strategy",
+        "bucketed_ddp",
+        "--trainer.strategy.timeout",
+        "0:01:00",
     )
