@@ -6,6 +6,9 @@
 #             torch's ShardedGradScaler: passed on 2 x H100), zero1's runs of the strategies' GPU tests, and the
 #             gpu-marked compat tests (NCCL's grouped launch of reduces)
 #   resumes   the zero1 and zero3 two-GPU resumes (passed 2026-11-26)
+#   rank_watch  python train.py --devices 2 (bucketed_ddp, NCCL): kill -9 of rank 1, of rank 0, and an exception on
+#             rank 1 each end the run in one line naming that rank and the checkpoint it resumes from, the survivor
+#             gone within seconds, not NCCL's timeout (issue 59 item 6; passed over gloo on the CPU, not yet on GPUs)
 #   tests_4gpu  on four GPUs: python train.py --devices 4 for bucketed_ddp, zero1 and zero3 in bf16-mixed against
 #             torch DDP (tests/test_train_py_4gpu.py; not yet run on GPUs)
 #   resumes_4gpu  the zero1 and zero3 four-GPU resumes (not yet run on GPUs)
@@ -71,6 +74,10 @@ for stage in "${STAGES[@]}"; do
             --junitxml="$OUT/strategies_zero1.xml"
         run compat_gpu 120 python -m pytest -q -p no:cacheprovider -m gpu tests/compat --junitxml="$OUT/compat_gpu.xml"
         ;;
+    rank_watch)
+        run rank_watch_2gpu 300 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py -k rank_that_dies \
+            --junitxml="$OUT/rank_watch_2gpu.xml"
+        ;;
     compiled_tests)
         run compiled_2gpu 570 python -m pytest -q -p no:cacheprovider tests/test_train_py_2gpu.py -k compile \
             --junitxml="$OUT/compiled_2gpu.xml"
@@ -122,7 +129,7 @@ for stage in "${STAGES[@]}"; do
             --attention sdpa --rounds 6 --out-dir "$OUT/train_step"
         ;;
     *)
-        echo "unknown stage $stage (tests, tests_4gpu, resumes_4gpu, compiled_tests, resumes, scaling, zero1, eager, trace, zero3_prefetch," \
+        echo "unknown stage $stage (tests, tests_4gpu, resumes_4gpu, compiled_tests, resumes, rank_watch, scaling, zero1, eager, trace, zero3_prefetch," \
             "host_pair, interference, compile_runs, train_step)"; exit 2
         ;;
     esac

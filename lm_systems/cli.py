@@ -19,18 +19,20 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_names
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
-from lm_systems.files.checkpoint_io import NEWEST, SafeCheckpointIO, newest_run_checkpoint, require_checkpoint_file
+from lm_systems.files.checkpoint_io import NEWEST, SafeCheckpointIO, require_checkpoint_file
 from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from lm_systems.run.cli_parts import CLIParts
 from lm_systems.run.config_files import check_config_files
 from lm_systems.run.cpu_threads import choose_cpu_threads
+from lm_systems.run.data_checks import check_data_settings
 from lm_systems.run.device_fit import check_model_fits_device, device_type
 from lm_systems.run.help_cache import SUBCOMMANDS
 from lm_systems.run.logger import run_version_of
 from lm_systems.run.output_folders import make_output_folder
-from lm_systems.run.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings
+from lm_systems.run.rank_watch import RankWatch
+from lm_systems.run.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings, checkpoint_to_resume
 from lm_systems.run.strategy_flags import strategy_names_as_classes
 from lm_systems.run.summary import RunSummary
 
@@ -60,6 +62,14 @@ TRAINER_DEFAULTS = {
 }
 
 
+CKPT_PATH_HELP = (
+    f"the checkpoint to resume from: a path, or {NEWEST}: the newest checkpoint among the runs under "
+    "--trainer.default_root_dir (else the working folder): their last.ckpt, or the crash.ckpt a stopped run named. "
+    "The resumed run continues that run's settings (strategy, devices, max_steps, data, model); those typed "
+    "here win, except the model's shape. A checkpoint already at --max_steps is refused: raise it to train on."
+)
+
+
 def _data_context_length(size: str, context_length: Optional[int]) -> int:
     """The model's context, which the data windows follow. A bad size or length is LitLM's to report (naming the
     flag); jsonargparse would wrap an error raised here in a dump of this link."""
@@ -84,6 +94,13 @@ class LMArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Optional[Exception] = None) -> Any:
         super().error(one_line(message), ex)
+
+    def add_method_arguments(self, *args: Any, **kwargs: Any) -> Any:
+        added = super().add_method_arguments(*args, **kwargs)
+        for action in self._actions:
+            if action.dest == "ckpt_path":  # Lightning's text describes its own `last`, not this project's
+                action.help = CKPT_PATH_HELP
+        return added
 
 
 class RunConfigFile(SaveConfigCallback):
@@ -124,6 +141,13 @@ class LMCLI(CommandLineOverCheckpointCLI):
             help="with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version",
         )
         parser.add_argument(
+            "--cpu_step_limit_s",
+            type=float,
+            default=600,
+            help="on a CPU, refuse a model whose step is estimated to take longer than this many seconds (from its "
+            "parameters and tokens a step); 0: no limit",
+        )
+        parser.add_argument(
             "--debug",
             type=bool,
             default=False,
@@ -151,8 +175,16 @@ class LMCLI(CommandLineOverCheckpointCLI):
             for name in SHORT_FLAGS:
                 if config.get(name) is not None:
                     config.trainer[name] = config[name]
+            if saved is not None:
+                saved.refuse_a_finished_run(config.trainer.get("max_steps"))
             check_trainer_choices(config.trainer, self._parts.strategy_names)
-            check_model_fits_device(config.model, config.trainer.get("accelerator"))
+            check_data_settings(config.data, config.model, config.trainer.get("accelerator"))
+            check_model_fits_device(
+                config.model,
+                config.trainer.get("accelerator"),
+                tokens_per_step=_tokens_per_step(config),
+                cpu_step_limit_s=config.get("cpu_step_limit_s") or 0,
+            )
             choose_cpu_threads(device_type(config.trainer.get("accelerator")))
             make_output_folder(config.trainer.get("default_root_dir"), "--trainer.default_root_dir")
             make_output_folder(config.data.get("cache_dir"), "--data.cache_dir")
@@ -192,7 +224,8 @@ class LMCLI(CommandLineOverCheckpointCLI):
             *self._parts.callbacks(),
             RunConfigRecord(_subcommand_part(self.config)),
             ResumedLoggingSteps(),
-            RunSummary(),
+            RankWatch(),
+            RunSummary(offers_sampling=not _subcommand_part(self.config).data.get("synthetic")),
         ]
         callbacks += [callback for callback in defaults if not _has(callbacks, type(callback))]
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks, "plugins": plugins})
@@ -231,13 +264,20 @@ class LMCLI(CommandLineOverCheckpointCLI):
 
 
 def _resolved_ckpt_path(config: Any) -> Optional[str]:
-    """``--ckpt_path``, with ``last`` read as ``python -m lm_systems.generate --ckpt last`` reads it: the newest run's
-    last.ckpt under ``--trainer.default_root_dir`` (else the working folder)."""
+    """``--ckpt_path``, with ``last`` read as the newest checkpoint among the runs under ``--trainer.default_root_dir``
+    (else the working folder): their ``last.ckpt``, or the ``crash.ckpt`` a stopped run named."""
     ckpt_path = config.get("ckpt_path")
     if ckpt_path == NEWEST:
-        ckpt_path = str(newest_run_checkpoint(config.trainer.get("default_root_dir") or ".", "--ckpt_path"))
+        ckpt_path = str(checkpoint_to_resume(config.trainer.get("default_root_dir") or "."))
         rank_zero_info(f"--ckpt_path {NEWEST}: resuming from {ckpt_path}")
     return ckpt_path
+
+
+def _tokens_per_step(config: Any) -> int:
+    """Tokens one process trains on in an optimizer step: windows per batch × their length × micro-batches."""
+    accumulate = config.trainer.get("accumulate_grad_batches")
+    micro_batches = accumulate if isinstance(accumulate, int) and accumulate > 0 else 1
+    return config.data.batch_size * config.data.context_length * micro_batches
 
 
 def _logs_under_default_root_dir(trainer: Any) -> None:

@@ -1,9 +1,11 @@
 """SIGTERM to a running ``python train.py --devices 2``: the command the user typed (rank 0; Lightning started
-rank 1 from it), as a scheduler or ``kill`` sends it. Shared by the CPU (gloo) and GPU (NCCL) tests."""
+rank 1 from it), as a scheduler or ``kill`` sends it; and a rank of such a run that dies. Shared by the CPU (gloo)
+and GPU (NCCL) tests."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from pathlib import Path
@@ -31,6 +33,50 @@ def sigterm_after_first_checkpoint(train_py, run_dir: Path, *args: str) -> None:
             time.sleep(0.2)
     (last,) = run_dir.rglob("last.ckpt")
     assert 1 <= read_checkpoint(last)["global_step"] < 100000
+
+
+FAILURES = {
+    "kill -9 rank 1": ("1", []),
+    "kill -9 rank 0": ("0", []),
+    "an error on rank 1": (None, ["--trainer.callbacks+=tests.failing_rank.FailOnRank"]),  # at step 2
+}
+"""How a rank dies: which one is killed (None: rank 1 raises), and the flags that make it."""
+
+
+def rank_dies_after_first_checkpoint(train_py, run_dir: Path, failure: str, *args: str) -> None:
+    """Start the run with ``args`` (checkpointing every step, no step limit that it could reach), make a rank die
+    (``FAILURES[failure]``) once step=1.ckpt is written, and assert that the survivor stops within seconds, its
+    stderr's one ``error:`` line (the last) naming the dead rank and a whole checkpoint; then that the run resumes
+    from that checkpoint."""
+    killed, flags = FAILURES[failure]
+    with train_py.start(*args, *flags, "--max_steps", "100000", "--checkpointing_interval", "1", cwd=run_dir) as run:
+        deadline = time.monotonic() + 240
+        while not list(run_dir.rglob("step=1.ckpt")):
+            assert run.poll() is None and time.monotonic() < deadline, "no step=1.ckpt"
+            time.sleep(0.2)
+        (rank_1,) = [child for child in children_of(run.pid) if local_rank(child) == "1"]
+        if killed is not None:
+            os.kill(run.pid if killed == "0" else rank_1, signal.SIGKILL)
+        stopped_at = time.monotonic()
+        _, err = run.communicate(timeout=120)  # rank 1 writes to the same stderr: this waits for both
+        while alive(rank_1):
+            assert time.monotonic() - stopped_at < 60, "rank 1 still running"
+            time.sleep(0.2)
+        took = time.monotonic() - stopped_at
+    dead = killed or "1"
+    lines = err.strip().splitlines()
+    said = [line for line in lines if line.startswith("error:")]
+    assert len(said) == 1 and said[0] == lines[-1], err[-3000:]
+    how = {"kill -9 rank 1": "(killed by SIGKILL)", "an error on rank 1": "(exit status 1)"}.get(failure, "")
+    assert said[0].startswith(f"error: rank {dead} ") and how in said[0], said[0]
+    assert run.returncode == (-signal.SIGKILL if killed == "0" else 1)
+    assert took < 20 + (30 if killed is None else 0), took  # the error's own traceback takes rank 1 a while
+    survivor = "1" if dead == "0" else "0"
+    assert not any(line.startswith(f"[rank{survivor}]") for line in lines), err[-3000:]  # no survivor traceback
+    named = Path(said[0].rsplit("--ckpt_path ", 1)[1])
+    step = read_checkpoint(run_dir / named)["global_step"]
+    assert named.name == f"step={step}.ckpt" and step >= 1
+    train_py.run_ok(*args, "--max_steps", str(step + 1), "--ckpt_path", str(named), cwd=run_dir)
 
 
 def children_of(pid: int) -> list[int]:

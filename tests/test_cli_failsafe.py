@@ -219,6 +219,8 @@ def test_resume_into_run_continues_the_folder_and_the_bar_total(tmp_path, fast):
             str(run_dir / "checkpoints" / "step=2.ckpt"),
             "--resume_into_run",
             "true",
+            "--trainer.enable_progress_bar",
+            "true",  # the first run's setting continues unless typed
         ]
     )
     assert Path(resumed.trainer.logger.log_dir).resolve() == run_dir

@@ -78,3 +78,23 @@ def test_omp_num_threads_chooses_the_cpu_threads(monkeypatch, tmp_path):
     torch.set_num_threads(TORCH_THREADS)
     main(["--accelerator", "cpu", "--data.cache_dir", str(tmp_path / "cache")], run=False)
     assert torch.get_num_threads() == TORCH_THREADS
+
+
+def test_the_8b_leaderboard_config_on_a_cpu_is_refused_naming_the_override(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["-c", str(REPO / "configs" / "leaderboard_8b.yaml"), "--accelerator", "cpu"])
+    assert exit_.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: --model.size 8b at 32,768 tokens a step needs about 1.6e+15 FLOPs a step"), line
+    assert "--accelerator gpu" in line and "--cpu_step_limit_s" in line, line
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_step_time_limit_can_be_lifted(tmp_path):
+    """The refusal's override: the check passes with a limit above the estimate, or none (0); small still warns."""
+    from lm_systems.run.device_fit import check_model_fits_device
+
+    small = main(["-c", str(REPO / "configs" / "small.yaml"), "--accelerator", "cpu"], run=False).config
+    check_model_fits_device(small.model, "cpu", tokens_per_step=32_768 * 8, cpu_step_limit_s=0)
+    with pytest.raises(ValueError, match="--cpu_step_limit_s 60"):
+        check_model_fits_device(small.model, "cpu", tokens_per_step=32_768 * 8, cpu_step_limit_s=60)

@@ -216,6 +216,19 @@ def no_interpreter(monkeypatch):
             "error: --model.attention flash_triton cannot run on --accelerator cpu (cpu): its Triton kernels need "
             "a CUDA",
         ),
+        (
+            ["--data.synthetic", "true", "--data.vocab_size", "0"],
+            "error: --data.vocab_size 0 is not a vocabulary: synthetic tokens need at least 2 ids",
+        ),
+        (
+            ["--data.synthetic", "true", "--data.vocab_size", "1000000000"],
+            "error: --data.vocab_size 1000000000 is past what the model can embed here: its embedding and LM head at "
+            "d_model 32 need 1,024 GB",
+        ),
+        (
+            ["--data.synthetic", "true", "--data.corpus", "stories.txt"],
+            "error: --data.corpus 'stories.txt' is not read with --data.synthetic true (random token ids)",
+        ),
     ],
     ids=[
         "root-dir",
@@ -226,6 +239,9 @@ def no_interpreter(monkeypatch):
         "val-interval-float",
         "devices",
         "flash-triton-on-cpu",
+        "synthetic-vocab-0",
+        "synthetic-vocab-1e9",
+        "corpus-with-synthetic",
     ],
 )
 def test_bad_values_stop_before_the_data_is_prepared(args, says, capsys, tiny_args, tmp_path, no_interpreter):

@@ -54,6 +54,15 @@ def test_a_run_and_its_resumption_say_what_they_did_and_where(tmp_path, monkeypa
     assert resumed["view it"] == "tensorboard --logdir logs"
 
 
+def test_a_synthetic_run_offers_no_sample_command(tmp_path, monkeypatch, capsys, fast):
+    """Synthetic tokens have no tokenizer: ``generate`` could not decode what it samples."""
+    monkeypatch.chdir(tmp_path)
+    main([*fast, "--max_steps", "1", "--data.synthetic", "true", "--data.vocab_size", "300"])
+    summary = _summary(capsys.readouterr().out)
+    assert summary["checkpoint"] == "logs/lm_systems/version_0/checkpoints/last.ckpt"
+    assert "sample it" not in summary and "view it" in summary
+
+
 @pytest.mark.slow
 def test_no_summary_after_a_failed_run(tmp_path, monkeypatch, capsys, fast):
     monkeypatch.chdir(tmp_path)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sigterm_run import sigterm_after_first_checkpoint
+from sigterm_run import FAILURES, rank_dies_after_first_checkpoint, sigterm_after_first_checkpoint
 from test_train_py_gpu import assert_trained, logged, version_dir
 
 from lm_systems.files.checkpoint_io import read_checkpoint
@@ -160,4 +160,16 @@ def test_sigterm_stops_both_ranks_and_exits_143(strategy, train_py, tmp_path, ca
         "false",
         "--data.cache_dir",
         str(cache_dir),
+    )
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+def test_a_rank_that_dies_stops_the_run_in_one_line(failure, train_py, tmp_path, cache_dir):
+    """Over NCCL, whose collectives wait out their timeout rather than fail when a peer is gone."""
+    rank_dies_after_first_checkpoint(
+        train_py,
+        tmp_path,
+        failure,
+        *("--devices", "2", "--strategy", "bucketed_ddp", "--trainer.strategy.timeout", "0:01:00"),
+        *("--trainer.enable_progress_bar", "false", "--data.cache_dir", str(cache_dir)),
     )

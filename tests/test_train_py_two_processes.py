@@ -9,7 +9,9 @@ step and validation on (bucketed_ddp also compiled in runs of blocks that share 
   validation losses;
 - the summary rank 0 prints counts every rank's tokens (the records' and a count from the batch shape) and its
   speed and MFU agree with them and with the model's FLOPs counted from its shape;
-- SIGTERM to the run stops both processes, exit status 143.
+- SIGTERM to the run stops both processes, exit status 143;
+- a rank that dies (kill -9 of either, an exception on one) stops the other within seconds, in one line naming it and
+  the last whole checkpoint, from which the run resumes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from run_record import load_records, replay
-from sigterm_run import sigterm_after_first_checkpoint
+from sigterm_run import FAILURES, rank_dies_after_first_checkpoint, sigterm_after_first_checkpoint
 
 from lm_systems.files.checkpoint_io import read_checkpoint
 
@@ -206,3 +208,19 @@ def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(
 @pytest.mark.parametrize("strategy", ["bucketed_ddp", "fsdp2"])
 def test_sigterm_to_the_launched_run_stops_both_ranks_and_exits_143(strategy, train_py, tmp_path):
     sigterm_after_first_checkpoint(train_py, tmp_path, *train_py.tiny, *RUN, "--strategy", strategy)
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+def test_a_rank_that_dies_stops_the_run_in_one_line_naming_it_and_the_checkpoint(failure, train_py, tmp_path):
+    # A short process-group timeout: a survivor left waiting in a collective would fail the test, not hang it.
+    rank_dies_after_first_checkpoint(
+        train_py,
+        tmp_path,
+        failure,
+        *train_py.tiny,
+        *RUN,
+        "--strategy",
+        "bucketed_ddp",
+        "--trainer.strategy.timeout",
+        "0:01:00",
+    )

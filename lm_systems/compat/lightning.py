@@ -5,12 +5,15 @@ Every entry says what it reaches and why no public name does it.
 
 from __future__ import annotations
 
+import subprocess
+import threading
 import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.fabric.utilities.throughput import Throughput
@@ -20,6 +23,7 @@ from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dt
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.nn import Module
@@ -100,6 +104,23 @@ def replace_sigterm_agreement(trainer: Trainer, notify: Callable[[int, Any], Non
 
     connector._sigterm_notifier_fn = notify
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check
+
+
+def launched_ranks(trainer: Trainer) -> list[subprocess.Popen]:
+    """The processes this one started for local ranks 1, 2, ... (in that order) through Lightning's popen launcher
+    (private ``_SubprocessScriptLauncher``, whose ``procs`` they are); empty on those ranks and for other launchers.
+    No public name lists them."""
+    launcher = trainer.strategy.launcher
+    return list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
+
+
+def stop_child_process_observer() -> None:
+    """Turn off the thread (private ``_ChildProcessObserver``) that Lightning's popen launcher starts in rank 0: on a
+    child rank's non-zero exit it SIGKILLs every process of the run, rank 0 included, without a word; a watch of the
+    caller's own does that job instead (``lm_systems.run.rank_watch``). Its loop ends at its next wake-up."""
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            thread._run = lambda: True
 
 
 # -- base classes for Lightning classes whose behaviour lives in private methods -----------------------------------

@@ -1,7 +1,8 @@
 """Whether the chosen model fits the chosen accelerator, checked at the door, before any data is prepared.
 
-An attention implementation that cannot run there is refused naming ``--model.attention``; a model too large to
-train on a CPU in reasonable time gets a warning naming what it needs, before minutes of silence.
+An attention implementation that cannot run there is refused naming ``--model.attention``; on a CPU, a step that
+would take longer than ``--cpu_step_limit_s`` is refused (an 8B model's took hours, silent, after a warning), and a
+model past ``CPU_MAX_PARAMETERS`` gets a warning naming what it needs, before minutes of silence.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ CPU_MAX_PARAMETERS = 20_000_000
 a step's time grows with the parameter count (configs/small.yaml says what a step of GPT-2 small took)."""
 
 
+CPU_FLOPS_PER_S = 2e11
+"""A CPU's training speed as the step estimate assumes it: what the default tiny run reached on two cores, at 6 FLOPs
+per parameter per token (benchmarks/results/default_run_cpu.md: 8,800 tokens/s × 3.6M parameters × 6). Larger
+models are not faster on a CPU, so the estimate errs towards letting a run start."""
+TRAINING_FLOPS_PER_PARAMETER_TOKEN = 6
+"""Forward (2) and backward (4) multiply-adds per parameter and token, attention left out: a lower bound."""
+
+
 def device_type(accelerator: Any) -> Optional[str]:
     """The torch device type ``--accelerator`` trains on ("cpu", "cuda", …), or None for a configured object."""
     if not isinstance(accelerator, str):
@@ -30,8 +39,11 @@ def device_type(accelerator: Any) -> Optional[str]:
     return "cuda" if accelerator == "gpu" else accelerator
 
 
-def check_model_fits_device(model: Any, accelerator: Any) -> None:
-    """Refuse an attention that cannot run on ``accelerator``; warn of a model too large for a CPU.
+def check_model_fits_device(
+    model: Any, accelerator: Any, tokens_per_step: int = 0, cpu_step_limit_s: float = 0
+) -> None:
+    """Refuse an attention that cannot run on ``accelerator``, and on a CPU a step estimated to take longer than
+    ``cpu_step_limit_s`` (0: no limit) at ``tokens_per_step`` tokens per process; warn of a model too large for a CPU.
 
     ``model`` is the parsed ``model`` part of the configuration (LitLM's arguments).
     """
@@ -46,12 +58,25 @@ def check_model_fits_device(model: Any, accelerator: Any) -> None:
         )
     if device == "cpu":
         parameters = _parameters(model)
+        flops = TRAINING_FLOPS_PER_PARAMETER_TOKEN * (parameters or 0) * tokens_per_step
+        seconds = flops / CPU_FLOPS_PER_S
+        if cpu_step_limit_s > 0 and seconds > cpu_step_limit_s:
+            raise InputError(
+                f"--model.size {model.size} at {tokens_per_step:,} tokens a step needs about {flops:.2g} FLOPs a step: "
+                f"about {_duration(seconds)} on a CPU at {CPU_FLOPS_PER_S:.0e} FLOP/s, past --cpu_step_limit_s "
+                f"{cpu_step_limit_s:g}; train it on a GPU (--accelerator gpu), train --model.size tiny on the CPU, or "
+                "raise --cpu_step_limit_s (0: no limit)"
+            )
         if parameters is not None and parameters > CPU_MAX_PARAMETERS:
             rank_zero_warn(
                 f"the model (--model.size {model.size}) has about {parameters / 1e6:.0f}M parameters and trains on a "
                 "CPU: expect minutes per step and no output meanwhile. It needs a GPU (--accelerator gpu); on a CPU, "
                 "train --model.size tiny (configs/default.yaml)"
             )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
 def _parameters(model: Any) -> Optional[int]:

@@ -1,11 +1,14 @@
-"""Resuming with what was typed: the checkpoint's settings under the command line, never over it.
+"""Resuming continues the run, with what was typed: the checkpoint's settings under the command line, never over it.
 
 LightningCLI parses a checkpoint's model hyperparameters over the command line, so a resumed run silently
-dropped every ``--model.*`` flag. Here the layers are, later winning: the parser's defaults, the checkpoint's
-model hyperparameters, then config files and flags. Model settings left untyped continue as the checkpoint had
-them; typed ones take effect: the learning rate and schedule, the non-finite policy, the closing sample; and,
-as ever, the trainer's and the data's (clipping, max_steps, logging, the batch size: the data position is a
-count of batches whose windows are drawn at random, so any batch size continues it). What fixes the model's
+dropped every ``--model.*`` flag; and it knows nothing of the run's other settings, so ``--ckpt_path X`` alone
+resumed a two-process zero3 run as one process of the default strategy. Here the layers are, later winning: the
+parser's defaults, the checkpoint's model hyperparameters and the run's other settings (``RunConfigRecord``
+stores them in each checkpoint: strategy, devices, max_steps, the data's, ...), then config files and flags.
+Settings left untyped continue as the run had them; typed ones take effect: the learning rate and schedule, the
+non-finite policy, the closing sample; the trainer's and the data's (clipping, max_steps, logging, the batch
+size: the data position is a count of batches whose windows are drawn at random, so any batch size continues
+it). Objects that are not plain values (callbacks, a logger's settings) are the command line's. What fixes the model's
 shape (``SHAPE_KEYS``) must match: a typed value that changes it is refused, naming both. The tokenizer is
 compared once the data is ready (``LitLM.on_load_checkpoint``). The log lists every setting that changed since
 the checkpoint was written (``RunConfigRecord`` stores the run's settings in each checkpoint). A resumed run trains
@@ -26,15 +29,35 @@ from typing_extensions import override
 from lm_systems.compat.lightning import align_logging_step
 from lm_systems.errors import InputError
 from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_meta
+from lm_systems.files.checkpoint_io import newest_run_checkpoint
+from lm_systems.files.checkpointing import CrashCheckpoint
 from lm_systems.model.config import ModelConfig
 from lm_systems.training.nonfinite import weights_are_finite
 
 SHAPE_KEYS = ("size", "vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta")
 """LitLM arguments that fix the model's shape: a resumed run keeps the checkpoint's."""
+CRASH_CHECKPOINTS = f"logs/*/version_*/checkpoints/{CrashCheckpoint.FILENAME}"
+"""Where a stopped run's ``crash.ckpt`` lies, relative to the folder train.py ran in (or its default_root_dir)."""
 RUN_CONFIG_KEY = "run_config"
 """Checkpoint entry holding the run's flat settings (model ones aside: ``hyper_parameters`` has those, resolved)."""
 _NOT_SETTINGS = ("ckpt_path", "config", "resume_into_run", "debug", "trainer.logger.")
 """Keys that name this invocation, not what it trains, left out of the comparison."""
+_DERIVED = ("data.context_length",)
+"""Settings the parser derives from others (linked arguments): never layered, they follow their sources."""
+
+
+def checkpoint_to_resume(root: str | Path) -> Path:
+    """``--ckpt_path last``: the newest checkpoint among the runs under ``root``, their ``last.ckpt`` and the
+    ``crash.ckpt`` a stopped run names (a run stopped before its first ``step=N.ckpt`` has no ``last.ckpt``);
+    an error naming the flag if there is none."""
+    crashes = [path for path in Path(root).glob(CRASH_CHECKPOINTS) if path.exists()]
+    try:
+        lasts = [newest_run_checkpoint(root, "--ckpt_path")]
+    except FileNotFoundError:
+        if not crashes:
+            raise
+        lasts = []
+    return max([*lasts, *crashes], key=lambda path: path.stat().st_mtime)
 
 
 class SavedSettings:
@@ -52,25 +75,38 @@ class SavedSettings:
                 f"--ckpt_path {self.path!r} holds non-finite weights (NaN or inf): training cannot continue from it; "
                 "pass an earlier checkpoint of that run (its step=N.ckpt files), or train without --ckpt_path"
             )
+        self.global_step: int | None = checkpoint.get("global_step")
         self.hparams = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
-        self.settings = {**(checkpoint.get(RUN_CONFIG_KEY) or {}), **{f"model.{k}": v for k, v in self.hparams.items()}}
+        self.run_settings = {k: v for k, v in (checkpoint.get(RUN_CONFIG_KEY) or {}).items() if k not in _DERIVED}
+        self.settings = {**self.run_settings, **{f"model.{k}": v for k, v in self.hparams.items()}}
 
     def under(self, parser: Any, args: Any, config: Namespace) -> Namespace:
-        """``config`` parsed again from ``args`` over the checkpoint's model hyperparameters (see the module doc).
+        """``config`` parsed again from ``args`` over the checkpoint's settings (see the module doc).
 
         Raises ValueError naming the flag and both values when a typed setting would change the model's shape.
         """
-        if not self.hparams:
+        if not self.settings:
             return config
         subcommand = config.get("subcommand")
         prefix = f"{subcommand}." if subcommand else ""
         layer = Namespace()
-        for key, value in self.hparams.items():
-            if f"{prefix}model.{key}" in config:  # a key an older LitLM had and this one lacks is dropped
-                layer[f"{prefix}model.{key}"] = value
+        for key, value in self.settings.items():
+            if _known(f"{prefix}{key}", config):  # a key an older version had and this one lacks is dropped
+                layer[f"{prefix}{key}"] = value
         resumed = parser.parse_args(args, namespace=layer)
         self._refuse_shape_changes((resumed[subcommand] if subcommand else resumed).model)
         return resumed
+
+    def refuse_a_finished_run(self, max_steps: Any) -> None:
+        """Raise InputError when the checkpoint's step is already ``max_steps`` (the run's, or the one typed): Lightning
+        would restore it, train nothing and end without a word."""
+        if self.global_step is None or not isinstance(max_steps, int) or max_steps < 0:
+            return
+        if self.global_step >= max_steps:
+            raise InputError(
+                f"--ckpt_path {self.path!r} is at step {self.global_step}, where --max_steps {max_steps} ends the run: "
+                f"nothing is left to train; pass a larger --max_steps (--trainer.max_steps) to train on"
+            )
 
     def log_changes(self, run: Namespace) -> None:
         """Log each setting of ``run`` (one subcommand's config) that differs from the checkpoint's."""
@@ -100,6 +136,19 @@ class SavedSettings:
                 f"a resumed run keeps the model's shape ({', '.join(SHAPE_KEYS)}); drop --model.{key}, or train a "
                 "new model without --ckpt_path"
             )
+
+
+def _known(key: str, config: Namespace) -> bool:
+    """Whether ``key`` is one of ``config``'s, or lies below one of its values that is not a namespace:
+    ``trainer.strategy.init_args.x`` below a strategy given by name (the layered class replaces the name)."""
+    if key in config:
+        return True
+    parts = key.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        above = ".".join(parts[:end])
+        if above in config:
+            return not isinstance(config[above], Namespace)
+    return False
 
 
 def flat_settings(config: Namespace) -> dict[str, Any]:

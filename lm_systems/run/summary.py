@@ -21,15 +21,17 @@ class RunSummary(L.Callback):
     """Prints the run's summary when a fit finishes (and writes it to TensorBoard's TEXT tab as ``summary``).
 
     Final training and validation loss, steps, tokens, wall time, tokens/s, MFU where a ``ThroughputMonitor``
-    (``MFUMonitor``) knows the device's peak, the run's ``last.ckpt`` and log folder, and the ``generate`` and
-    ``tensorboard`` commands to paste. Tokens/s counts the training steps after the first (which builds and
+    (``MFUMonitor``) knows the device's peak, the run's ``last.ckpt`` and log folder, and the ``generate`` (unless
+    ``offers_sampling`` is false: synthetic tokens have no tokenizer to decode a sample) and ``tensorboard`` commands
+    to paste. Tokens/s counts the training steps after the first (which builds and
     compiles) and leaves validation out; the clock is read after waiting for the GPU, at those few points only.
     Printed at ``teardown``, after the progress bar has stopped (``train.py`` lists this callback after the bar),
     on global rank 0. Expects (B, T + 1) token batches, as ``LMDataModule`` yields.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, offers_sampling: bool = True) -> None:
         super().__init__()
+        self._offers_sampling = offers_sampling
         self._created = time.perf_counter()  # train.py makes its callbacks before preparing data and building the model
         self._reset()
 
@@ -116,15 +118,15 @@ class RunSummary(L.Callback):
             )
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "")
         if checkpoint:
-            lines.append(("checkpoint", _shown(checkpoint)))
+            lines.append(("checkpoint", shown_path(checkpoint)))
         logger = trainer.logger
         if isinstance(logger, TensorBoardLogger):
             run = os.path.relpath(logger.log_dir, logger.save_dir)
-            lines.append(("logs", f"{_shown(logger.log_dir)} (TensorBoard run {run})"))
-        if checkpoint:
-            lines.append(("sample it", f"python -m lm_systems.generate --ckpt {shlex.quote(_shown(checkpoint))}"))
+            lines.append(("logs", f"{shown_path(logger.log_dir)} (TensorBoard run {run})"))
+        if checkpoint and self._offers_sampling:
+            lines.append(("sample it", f"python -m lm_systems.generate --ckpt {shlex.quote(shown_path(checkpoint))}"))
         if isinstance(logger, TensorBoardLogger):
-            lines.append(("view it", f"tensorboard --logdir {shlex.quote(_shown(logger.save_dir))}"))
+            lines.append(("view it", f"tensorboard --logdir {shlex.quote(shown_path(logger.save_dir))}"))
         return lines
 
     def _speed(self, trainer: L.Trainer) -> list[tuple[str, str]]:
@@ -184,7 +186,7 @@ def _losses(trainer: L.Trainer, val_step: Optional[int]) -> str:
     return ", ".join(parts) or "none logged"
 
 
-def _shown(path: str) -> str:
+def shown_path(path: str) -> str:
     """``path`` relative to the working directory when it lies below it, else absolute."""
     path = os.path.abspath(path)
     relative = os.path.relpath(path)

@@ -277,3 +277,42 @@ def test_the_sigterm_agreement_replaces_the_handlers_and_the_loops_broadcasts():
     with pytest.raises(SIGTERMException):
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
     assert trainer.received_sigterm
+
+
+def test_launched_ranks_are_the_popen_launchers_processes():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False)
+    launcher = trainer.strategy.launcher
+    assert isinstance(launcher.procs, list), broken("_SubprocessScriptLauncher.procs")
+    launcher.procs.append(sentinel := object())
+    assert compat.launched_ranks(trainer) == [sentinel]
+    spawned = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False, enable_checkpointing=False)
+    assert compat.launched_ranks(spawned) == []
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_the_child_process_observer_is_stopped(stopped):
+    """Lightning's observer SIGKILLs its "main" process once a child has ended non-zero; stopped, it does not. Here the
+    main process it would kill is a stand-in, never this one."""
+    import subprocess
+    import sys
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    failed.wait()
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # It first looks after a second: stopped well before.
+        observer = _ChildProcessObserver(main_pid=stand_in.pid, child_processes=[failed], sleep_period=1)
+        observer.start()
+        if stopped:
+            compat.stop_child_process_observer()
+        observer.join(10)
+        assert not observer.is_alive()
+        if stopped:
+            assert stand_in.poll() is None, broken("_ChildProcessObserver._run")
+        else:
+            assert stand_in.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        stand_in.kill()
+        stand_in.wait()

@@ -22,6 +22,8 @@ SOURCES = sorted(
     if "compat" not in path.relative_to(REPO).parts
 )
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torch", "triton")
+DOCUMENTED = {"os._exit"}
+"""Standard-library names that begin with an underscore and are documented, public API."""
 
 
 def private(name: str) -> bool:
@@ -124,6 +126,8 @@ def private_attributes_of_others(tree: ast.AST) -> list[str]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own:
+            if ast.unparse(node) in DOCUMENTED:
+                continue
             receiver = node.value
             if isinstance(receiver, ast.Name) and receiver.id in ("self", "cls"):
                 continue
