@@ -139,7 +139,7 @@ class CheckpointDirWriter:
     def save(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         self.wait()  # one save in flight: its host copy is freed before the next is made
         tensors, rest = split_checkpoint(checkpoint)
-        path = Path(path)
+        path = Path(path).absolute()  # the write goes on in another thread: not relative to a working folder
         self._check_space(path, tensor_bytes(tensors))
         temporary = self._temporary_name(path)
         temporary.mkdir(parents=True, exist_ok=True)
@@ -158,7 +158,7 @@ class CheckpointDirWriter:
     def when_published(self, path: str | os.PathLike, action: Callable[[], None]) -> None:
         with self._lock:
             pending = self._pending
-            if pending is not None and pending.path == Path(path) and not pending.done.is_set():
+            if pending is not None and pending.path == Path(path).absolute() and not pending.done.is_set():
                 pending.actions.append(action)
                 return
         action()
