@@ -59,10 +59,11 @@ for name, record in clock.items():
 if {"save", "nosave"} <= clock.keys():
     median = statistics.median(clock["nosave"]["intervals_s"][3:])
     save = clock["save"]
-    for index, step in enumerate(save["steps"][:-1]):
-        if step == 10:  # the batch after step 10's save: its interval holds the save's pause
-            print(f"step 10's save paused the loop {save['intervals_s'][index] - median:.3f} s "
-                  f"(interval {save['intervals_s'][index]:.3f} s, median without saves {median:.3f} s)")
+    # steps[i] is the global step as batch i starts; intervals_s[i - 1] ends there: for steps[i] == 10 it holds
+    # the last batch of step 10 and the save that followed it.
+    index = save["steps"].index(10) - 1
+    print(f"step 10's save paused the loop {save['intervals_s'][index] - median:.3f} s "
+          f"(interval {save['intervals_s'][index]:.3f} s, median without saves {median:.3f} s)")
 directory = next(runs.glob("save/logs/*/version_*/checkpoints/step=10.ckpt"), None)
 if directory is not None:
     from lm_systems.files.checkpoint_dir import stored_tensors

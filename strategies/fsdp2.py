@@ -28,7 +28,9 @@ class FSDP2Strategy(CheckpointDirStrategy, HostSigtermStrategy, DataParallelMesh
     Under a bf16 precision, parameters are gathered in bf16 and gradients reduce-scattered in float32
     (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``); the float32 masters and the
     optimizer state stay sharded. The model is built on the device, as under ``ddp``, so both start from the
-    same weights. Checkpoints hold the full state dict, gathered to rank 0, as the other strategies' do.
+    same weights. Checkpoints are directories of every rank's DTensor shards
+    (:class:`strategies.checkpoint_dirs.CheckpointDirStrategy`), or with ``checkpoint_format="file"`` one file of
+    the full state dict, gathered to rank 0, as the unsharded strategies write.
     ``reshard_after_forward`` frees each block's gathered weights after its forward (and
     gathers them again for backward), as zero3 does. The ranks agree on SIGTERM over the host, as under the other
     strategies here (``strategies.sigterm``), so the comparison with zero3 leaves Lightning's per-batch sync out

@@ -25,12 +25,14 @@ class Zero1Strategy(CheckpointDirStrategy, BucketedDDPStrategy):
     """BucketedDDP gradients and every optimizer from ``configure_optimizers`` wrapped in a ShardedOptimizer.
 
     The wrapper takes over the user's param-group dicts themselves, so learning-rate schedulers built on
-    the user's optimizer keep driving the groups that are stepped. Checkpoints hold one consolidated
-    optimizer state (Lightning calls ``consolidate_state_dict`` on every rank, then saves rank 0's), in
-    the plain optimizer's format: they resume under zero1 on any number of devices, or under any other
-    strategy. ``exchange`` and ``exchange_stages`` are the ShardedOptimizer's: how updated parameters
-    reach the other ranks, and in how many stages that exchange is pipelined with the update; with
-    ``comm_high_priority`` (NCCL) gradients and exchange run on a high-priority group of their own.
+    the user's optimizer keep driving the groups that are stepped. Checkpoints are directories each rank writes
+    the optimizer state of the parameters it steps into (:class:`strategies.checkpoint_dirs.CheckpointDirStrategy`);
+    with ``checkpoint_format="file"``, one file of one consolidated optimizer state (Lightning calls
+    ``consolidate_state_dict`` on every rank, then saves rank 0's) in the plain optimizer's format. Either resumes
+    under zero1 on any number of devices, or under any other strategy. ``exchange`` and ``exchange_stages`` are the
+    ShardedOptimizer's: how updated parameters reach the other ranks, and in how many stages that exchange is
+    pipelined with the update; with ``comm_high_priority`` (NCCL) gradients and exchange run on a high-priority
+    group of their own.
 
     The defaults differ from ShardedOptimizer's (one stage, default group): the update pipelined with the
     exchange in 4 stages on a high-priority stream, which is where the pipeline pays (docs/data_parallel.md).

@@ -54,9 +54,11 @@ class Zero3Strategy(CheckpointDirStrategy, ContainerDDPStrategy):
     each unit gathers as it starts). Each unit more holds one more gathered unit in memory and gives a rank's
     all-gathers that much longer to wait for a slower rank before its compute needs them.
 
-    Checkpoints hold the LightningModule's full (unsharded) state dict and each optimizer's full state
-    in the plain optimizer's format, gathered by every rank and saved by rank 0: they resume under zero3
-    on any number of devices, or under any other strategy; zero3 loads those of other strategies.
+    Checkpoints are directories every rank writes its shards into, in the background
+    (:class:`strategies.checkpoint_dirs.CheckpointDirStrategy`); with ``checkpoint_format="file"``, one file of the
+    LightningModule's full state dict and each optimizer's full state in the plain optimizer's format, gathered by
+    every rank and saved by rank 0. Either resumes under zero3 on any number of devices, or under any other strategy;
+    zero3 loads those of other strategies.
     """
 
     strategy_name = "zero3"

@@ -216,3 +216,16 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_the_newest_and_a_resume_
     assert not temporary.exists(), "the killed save's directory is removed by the next run"
     assert os.readlink(folder / "last.ckpt") == "step=3.ckpt"
     assert read_whole(folder / "last.ckpt")["global_step"] == 3
+
+
+def test_saving_a_step_again_replaces_its_directory_whole(group, tmp_path):
+    """A run resumed into its own folder saves a step it saved before: the new checkpoint takes the name."""
+    writer, path = CheckpointDirWriter(group, asynchronous=False), tmp_path / "step=3.ckpt"
+    writer.save(a_checkpoint(), path)
+    second = a_checkpoint()
+    second["global_step"] = 4
+    second["state_dict"]["layer0.weight"].fill_(7.0)
+    writer.save(second, path)
+    whole = read_whole(path)
+    assert whole["global_step"] == 4 and bool((whole["state_dict"]["layer0.weight"] == 7.0).all())
+    assert [p.name for p in tmp_path.iterdir()] == ["step=3.ckpt"], "no temporary left behind"

@@ -2,14 +2,18 @@
 name --ckpt."""
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
 import torch
+import torch.distributed as dist
 from environment import environment_kept
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lm_systems.data.datamodule import LMDataModule
+from lm_systems.files.checkpoint_dir import CheckpointDirWriter
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.generate import load_checkpoint, main, newest_run_checkpoint
 from lm_systems.lit_module import LitLM
@@ -55,6 +59,30 @@ def test_the_loaded_model_is_the_trained_one(trained, greedy_text):
     assert tokenizer.to_str() == data.tokenizer.to_str()
     expected = greedy_text(lit.model, data.tokenizer, "Once upon a time", max_new_tokens=4)
     assert sample_text(model, tokenizer, "Once upon a time", max_new_tokens=4, temperature=0) == expected
+
+
+def test_a_checkpoint_directory_is_read_directly(trained, tmp_path):
+    """As zero3, zero1 and fsdp2 write them: the weights gathered from the directory, the same model."""
+    lit, data, path = trained
+    directory = tmp_path / "trained.ckpt"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{find_free_network_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        writer = CheckpointDirWriter(dist.new_group(backend="gloo"), asynchronous=False)
+        writer.save(torch.load(path, weights_only=False), directory)
+    finally:
+        dist.destroy_process_group()
+    model, tokenizer = load_checkpoint(directory)
+    tokens = torch.randint(0, data.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    lit.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), lit.model(tokens), rtol=0, atol=0)
+    assert tokenizer.to_str() == data.tokenizer.to_str()
 
 
 @pytest.mark.gpu

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lm_systems.errors import RunError
 from lm_systems.files.disk_space import free_bytes, no_space_message, tensor_bytes
@@ -135,11 +136,18 @@ class CheckpointDirWriter:
         self.rank = dist.get_rank(group)
         self._lock = threading.Lock()
         self._pending: Optional[_PendingSave] = None
+        # The copy to host memory the loop waits for: into pinned buffers on a CUDA machine (kept for the next save,
+        # so the copy runs at the link's speed and they are allocated once), plain memory elsewhere.
+        cuda = torch.cuda.is_available()
+        options = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+        )
+        self._stager = DefaultStager(options) if asynchronous else None
 
     def save(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         self.wait()  # one save in flight: its host copy is freed before the next is made
         tensors, rest = split_checkpoint(checkpoint)
-        path = Path(path)
+        path = Path(path).absolute()  # the write goes on in another thread: not relative to a working folder
         self._check_space(path, tensor_bytes(tensors))
         temporary = self._temporary_name(path)
         temporary.mkdir(parents=True, exist_ok=True)
@@ -152,13 +160,13 @@ class CheckpointDirWriter:
             self._publish(pending)
             return
         self._pending = pending
-        future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group)
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group, async_stager=self._stager)
         future.add_done_callback(lambda done: self._finish(pending, done))
 
     def when_published(self, path: str | os.PathLike, action: Callable[[], None]) -> None:
         with self._lock:
             pending = self._pending
-            if pending is not None and pending.path == Path(path) and not pending.done.is_set():
+            if pending is not None and pending.path == Path(path).absolute() and not pending.done.is_set():
                 pending.actions.append(action)
                 return
         action()
@@ -207,8 +215,11 @@ class CheckpointDirWriter:
             raise RunError(no_space_message(path, int(needed.item()), free))
 
     def close(self) -> None:
-        """Wait for the save in flight (teardown: the process group is still whole)."""
+        """Wait for the save in flight (teardown: the process group is still whole); free the staging buffers."""
         self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 class _PendingSave:

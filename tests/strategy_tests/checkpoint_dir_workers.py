@@ -10,9 +10,11 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from strategy_workers import TinyData, TinyLM, join_as_launched_process, make_trainer
+from strategy_workers import STEPS_PER_EPOCH, TinyData, TinyLM, join_as_launched_process, make_trainer
+from torch.distributed.tensor import DTensor
 
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
+from lm_systems.parallel import FullyShardedDataParallel, ShardedOptimizer
 
 
 class UnitsTinyLM(TinyLM):
@@ -51,8 +53,41 @@ class FullStateAtEpochEnd(Callback):
             torch.save(full, Path(self.out_dir) / f"full_step{trainer.global_step}.pt")
 
 
+class FullStateAtTrainStart(Callback):
+    """Rank 0 writes ``<tag>_start.pt``: the weights and optimizer state a run starts from once Lightning restored its
+    checkpoint, gathered whole by each strategy's own means (none of them torch.distributed.checkpoint)."""
+
+    def __init__(self, out_dir: str, tag: str) -> None:
+        self.out_dir, self.tag = out_dir, tag
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model, optimizer = trainer.strategy.model, trainer.optimizers[0]
+        if isinstance(model, FullyShardedDataParallel):  # zero3
+            state_dict, optimizer_state = model.full_state_dict(), model.full_optimizer_state_dict(optimizer)
+        else:
+            state_dict = {name: _whole(value) for name, value in pl_module.state_dict().items()}
+            if isinstance(optimizer, ShardedOptimizer):  # zero1
+                optimizer.consolidate_state_dict(to=0)
+                optimizer_state = optimizer.state_dict() if trainer.is_global_zero else None
+            else:  # fsdp2's DTensors, or the whole state
+                saved = optimizer.state_dict()
+                state = {i: {k: _whole(v) for k, v in values.items()} for i, values in saved["state"].items()}
+                optimizer_state = {"state": state, "param_groups": saved["param_groups"]}
+        if trainer.is_global_zero:
+            record = {"state_dict": state_dict, "optimizer": optimizer_state, "global_step": trainer.global_step}
+            torch.save(record, Path(self.out_dir) / f"{self.tag}_start.pt")
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().clone()
+
+
+RESUMED_ON_TWO = ("fsdp2", "zero1", "bucketed_ddp")
+
+
 def save_under_zero3(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """A zero3 run of two epochs keeping a checkpoint directory at the end of each (saved in the background)."""
+    """A zero3 run of two epochs keeping a checkpoint directory at the end of each (saved in the background); then
+    the first epoch's resumed on the same two processes under each of RESUMED_ON_TWO, one step each."""
     join_as_launched_process(rank, world_size, port)
     try:
         checkpoint = ModelCheckpoint(
@@ -67,6 +102,23 @@ def save_under_zero3(rank: int, world_size: int, port: int, out_dir: str) -> Non
             plugins=[SafeCheckpointIO()],
         )
         trainer.fit(TinyLM(), datamodule=TinyData())
+        first_epoch = Path(out_dir) / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+        for name in RESUMED_ON_TWO:
+            trainer = L.Trainer(
+                accelerator="cpu",
+                devices=world_size,
+                strategy=name,
+                max_steps=STEPS_PER_EPOCH + 1,
+                limit_val_batches=0,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                enable_checkpointing=False,
+                callbacks=[FullStateAtTrainStart(out_dir, name)],
+                plugins=[SafeCheckpointIO()],
+                use_distributed_sampler=False,
+            )
+            trainer.fit(UnitsTinyLM(), datamodule=TinyData(), ckpt_path=str(first_epoch))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """Checkpoint directories (torch.distributed.checkpoint): a two-process zero3 run writes each epoch's checkpoint from
 both ranks, in the background; it is read back whole, and resumed on one process under zero3, fsdp2, zero1,
-bucketed_ddp and the default strategy, each starting from exactly the state the two processes saved (compared with
-that state gathered by zero3's own one-file path, bit for bit); consolidated into one file, which resumes too."""
+bucketed_ddp and the default strategy, and on the same two under fsdp2, zero1 and bucketed_ddp, each starting from
+exactly the state the two processes saved (compared with that state gathered by zero3's own one-file path, bit for
+bit); consolidated into one file, which resumes too."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
-from checkpoint_dir_workers import UnitsTinyLM, save_under_zero3
+from checkpoint_dir_workers import RESUMED_ON_TWO, UnitsTinyLM, save_under_zero3
 from strategy_workers import STEPS_PER_EPOCH, TinyData
 from torch.distributed.tensor import DTensor
 
@@ -125,6 +126,15 @@ def assert_resumed_from(probe: StateAtTrainStart, expected: dict) -> None:
 def test_two_processes_directory_resumes_on_one_under_every_strategy(strategy, saved, tmp_path, one_process):
     probe = resume(strategy, directory(saved, SAVED_STEP), tmp_path)
     assert_resumed_from(probe, full_state(saved, SAVED_STEP))
+
+
+@pytest.mark.parametrize("strategy", RESUMED_ON_TWO)
+def test_two_processes_directory_resumes_on_two_under_other_strategies(strategy, saved):
+    resumed = torch.load(saved / f"{strategy}_start.pt", weights_only=False)
+    expected = full_state(saved, SAVED_STEP)
+    assert resumed["global_step"] == expected["global_step"]
+    assert_equal_tensors(resumed["state_dict"], expected["state_dict"], "state_dict")
+    assert_same_optimizer_state(resumed["optimizer"], expected["optimizer"])
 
 
 def test_consolidated_into_one_file_it_resumes_a_sharded_strategy(saved, tmp_path, one_process, capsys):
