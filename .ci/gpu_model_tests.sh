@@ -2,7 +2,8 @@
 # The gpu-marked tests of the model's recompute and fused loss on one CUDA GPU (torch 2.11, triton 3.6): a few
 # minutes, most of it compiling.
 #   recompute  compiled blocks with flash_triton: backward launches an attention forward kernel again under blocks,
-#              none under keep_attention, and both give the gradients of keeping everything
+#              none under keep_attention, and both give the gradients of keeping everything; the same of eager
+#              flash_triton's forward in a block (a CPU test, here on the GPU's kernels)
 #   loss       the fused loss's chunk kernels against float64 at the 8B model's vocabulary, within a chunk's memory
 #
 #   .ci/gpu_model_tests.sh             # both
@@ -19,6 +20,8 @@ for stage in "${STAGES[@]}"; do
     recompute)
         run recompute_gpu 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_recompute.py \
             --junitxml="$OUT/recompute_gpu.xml"
+        run recompute_eager_triton_gpu 120 python -m pytest -q -p no:cacheprovider tests/test_recompute.py \
+            -k eager_triton --junitxml="$OUT/recompute_eager_triton_gpu.xml"
         ;;
     loss)
         run loss_gpu 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_loss.py tests/test_loss_kernel.py \

@@ -7,10 +7,10 @@ between two device synchronisations, on random tokens. Reports mean ± std per s
 activation. One model per size and attention serves all of its cases; a configuration that runs out
 of GPU memory is a row marked OOM.
 
-    python -m benchmarks.model                                  # all sizes × ctx 128..1024
+    python -m benchmarks.model                                  # small…2.7b × ctx 128..1024
     python -m benchmarks.model --sizes 2.7b --context-lengths 128 256 512 --modes forward train_step
     python -m benchmarks.model --sizes small --context-lengths 512 --warmup-steps 0 1 2 5 --isolate
-    python -m benchmarks.model --sizes tiny --device cpu --steps 2   # a quick CPU check
+    python -m benchmarks.model --sizes tiny --device cpu --context-lengths 128 --warmup-steps 1 --steps 2  # quick, CPU
 """
 
 from __future__ import annotations

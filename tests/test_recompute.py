@@ -211,6 +211,38 @@ def test_keep_attention_keeps_the_triton_forward_ops_output():
         torch.testing.assert_close(grad, expected, rtol=0, atol=0, msg=policy)  # the same kernels on the same values
 
 
+def test_keep_attention_keeps_the_eager_triton_forwards_output(monkeypatch):
+    """The same block through ``FlashAttention2Triton.apply`` as an eager model calls it (its kernels launched
+    directly, not through the op; on a GPU where there is one): backward runs the attention forward again under
+    ``blocks``, not under ``keep_attention``; both give the gradients of keeping everything, and every forward,
+    through the op or not, launches the eager kernels."""
+    from lm_systems.attention import flash_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    heads, positions, d_head = 2, 16, 16
+    weights = torch.randn(4, heads * d_head, heads * d_head, device=device, requires_grad=True)
+    x = torch.randn(1, positions, heads * d_head, device=device)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (F.linear(x, w).unflatten(-1, (heads, d_head)).transpose(1, 2) for w in weights[:3])  # (B, H, T, d)
+        attention = flash_triton.FlashAttention2Triton.apply(q, k, v, True)
+        return x + F.linear(attention.transpose(1, 2).flatten(2), weights[3])
+
+    (expected,) = torch.autograd.grad(block(x).square().sum(), weights)
+    launched = []  # the kernel set of each attention forward
+    forward = flash_triton._forward
+    monkeypatch.setattr(
+        flash_triton, "_forward", lambda kernels, *args: launched.append(kernels) or forward(kernels, *args)
+    )
+    for policy, recomputed in (("blocks", 1), ("keep_attention", 0)):
+        loss = run_with_recompute(block, x, policy).square().sum()
+        in_forward = len(launched)
+        (grad,) = torch.autograd.grad(loss, weights)
+        assert len(launched) - in_forward == recomputed, policy
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0, msg=policy)  # the same kernels on the same values
+    assert all(kernels is flash_triton._EAGER_KERNELS for kernels in launched)
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_compiled_blocks_keep_the_triton_attention_forward_under_keep_attention():
     """Compiled, flash_triton's forward is the op the policy names (on a CPU Inductor cannot compile Triton's

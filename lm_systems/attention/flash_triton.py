@@ -27,6 +27,7 @@ from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kerne
 from lm_systems.attention.inputs import check_attention_inputs
 from lm_systems.attention.registry import register_attention
 from lm_systems.attention.tuning import TUNED_FOR_COMPILE, TUNED_FOR_EAGER, interpreting
+from lm_systems.compat.torch import dispatch_mode_active
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -285,11 +286,25 @@ def _backward(
     return dq, dk, dv
 
 
+def _kernels_for(q: torch.Tensor) -> _Kernels:
+    """The kernels the ops launch: traced by torch.compile (fake or functional tensors), those ``wrap_triton`` hands
+    to Inductor; called on real tensors (eager, under a dispatch mode), the eager kernels a direct call launches."""
+    return _EAGER_KERNELS if type(q) is torch.Tensor else _COMPILED_KERNELS
+
+
+def _through_ops() -> bool:
+    """Whether attention runs as its torch ops rather than launching its kernels directly: inside torch.compile,
+    whose graphs hold the ops, and under a TorchDispatchMode, which sees ops only (the selective activation
+    checkpointing policies keep attention's output by its forward op). Plain eager calls launch directly: the
+    dispatcher's round trip would be host time on every call."""
+    return torch.compiler.is_compiling() or dispatch_mode_active()
+
+
 @triton_op("lm_systems::flash_attention_forward", mutates_args=())
 def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(_COMPILED_KERNELS, q, k, v, is_causal)
+    return _forward(_kernels_for(q), q, k, v, is_causal)
 
 
 @triton_op("lm_systems::flash_attention_backward", mutates_args=())
@@ -302,7 +317,7 @@ def _backward_op(
     grad_out: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(_COMPILED_KERNELS, q, k, v, out, lse, grad_out, is_causal)
+    return _backward(_kernels_for(q), q, k, v, out, lse, grad_out, is_causal)
 
 
 def flash_forward_triton(
@@ -310,7 +325,7 @@ def flash_forward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O shaped like q and the logsumexp L shaped ``q.shape[:-1]`` (float32)."""
     check_triton_inputs(q, k, v)
-    if torch.compiler.is_compiling():
+    if _through_ops():
         return _forward_op(q, k, v, is_causal)
     return _forward(_EAGER_KERNELS, q, k, v, is_causal)
 
@@ -326,7 +341,7 @@ def flash_backward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV: the D preprocess, then the dK/dV pass and the dQ pass."""
     grad_out = grad_out.to(q.dtype)
-    if torch.compiler.is_compiling():
+    if _through_ops():
         return _backward_op(q, k, v, out, lse, grad_out, is_causal)
     return _backward(_EAGER_KERNELS, q, k, v, out, lse, grad_out, is_causal)
 

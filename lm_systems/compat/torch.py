@@ -19,6 +19,12 @@ def set_module_parameter(module: torch.nn.Module, name: str, value: Optional[tor
     module._parameters[name] = value
 
 
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode sees the ops run now (activation checkpointing's selective contexts, a FLOP
+    counter, fake tensors): torch keeps its stack of those modes behind private names only."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
 def compiled_whole(module: torch.nn.Module) -> bool:
     """Whether ``module``'s whole call, hooks included, runs torch.compiled: ``Module.compile()`` sets
     ``_compiled_call_impl``, which ``Module.__call__`` then runs in place of its own."""

@@ -186,3 +186,10 @@ def test_sdpa_runs_one_of_the_kernel_ops_named():
     with Ops():
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert set(seen) & compat.sdpa_kernel_ops()
+
+
+def test_dispatch_mode_active_inside_a_torch_dispatch_mode_only():
+    assert not compat.dispatch_mode_active()
+    with TorchDispatchMode():
+        assert compat.dispatch_mode_active()
+    assert not compat.dispatch_mode_active()
