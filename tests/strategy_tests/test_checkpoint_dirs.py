@@ -1,8 +1,9 @@
 """Checkpoint directories (torch.distributed.checkpoint): a two-process zero3 run writes each epoch's checkpoint from
 both ranks, in the background; it is read back whole, and resumed on one process under zero3, fsdp2, zero1,
-bucketed_ddp and the default strategy, and on the same two under fsdp2, zero1 and bucketed_ddp, each starting from
-exactly the state the two processes saved (compared with that state gathered by zero3's own one-file path, bit for
-bit); consolidated into one file, which resumes too."""
+bucketed_ddp and the default strategy, on the same two under fsdp2, zero1 and bucketed_ddp, and on four under zero3,
+fsdp2 and zero1, each starting from exactly the state the two processes saved (compared with that state gathered by
+zero3's own one-file path, bit for bit); consolidated into one file, which resumes too. A background save's host
+buffers are made once, before the first save."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
-from checkpoint_dir_workers import RESUMED_ON_TWO, UnitsTinyLM, save_under_zero3
+import torch.multiprocessing as mp
+from checkpoint_dir_workers import RESUMED_ON_FOUR, RESUMED_ON_TWO, UnitsTinyLM, resume_on_four, save_under_zero3
 from lightning.pytorch.callbacks import ModelCheckpoint
 from strategy_workers import STEPS_PER_EPOCH, TinyData
 from torch.distributed.checkpoint.staging import DefaultStager
@@ -135,6 +137,25 @@ def test_two_processes_directory_resumes_on_one_under_every_strategy(strategy, s
 def test_two_processes_directory_resumes_on_two_under_other_strategies(strategy, saved):
     resumed = torch.load(saved / f"{strategy}_start.pt", weights_only=False)
     expected = full_state(saved, SAVED_STEP)
+    assert resumed["global_step"] == expected["global_step"]
+    assert_equal_tensors(resumed["state_dict"], expected["state_dict"], "state_dict")
+    assert_same_optimizer_state(resumed["optimizer"], expected["optimizer"])
+
+
+@pytest.fixture(scope="module")
+def resumed_on_four(saved) -> Path:
+    """The two processes' first-epoch directory resumed on four spawned processes (gloo) under RESUMED_ON_FOUR."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    mp.spawn(resume_on_four, args=(4, find_free_network_port(), str(saved)), nprocs=4, join=True)
+    return saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", RESUMED_ON_FOUR)
+def test_two_processes_directory_resumes_on_four(strategy, resumed_on_four):
+    resumed = torch.load(resumed_on_four / f"{strategy}_on_four_start.pt", weights_only=False)
+    expected = full_state(resumed_on_four, SAVED_STEP)
     assert resumed["global_step"] == expected["global_step"]
     assert_equal_tensors(resumed["state_dict"], expected["state_dict"], "state_dict")
     assert_same_optimizer_state(resumed["optimizer"], expected["optimizer"])
