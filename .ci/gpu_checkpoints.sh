@@ -5,7 +5,8 @@
 #   save     a save every 10 steps (steps 10 and 20); step times, peak host memory, the bytes on disk
 #   nosave   the same run without checkpoints: the step times to compare with
 #   resume   step 20's directory removed, the run resumed from step 10's to step 20: its losses against save's
-#   summary  the pause per save (the interval after a saving step less the median interval), peak RSS, bytes
+#   summary  the pause per save (the interval after a saving step less the median interval), step 1's interval
+#            (the staging buffers are made after its optimizer step, not in the first save), peak RSS, bytes
 #            on disk against the state's, the resumed losses against the uninterrupted ones
 #
 #   .ci/gpu_checkpoints.sh                     # all, in this order (about 6 minutes; not measured yet)
@@ -64,6 +65,10 @@ if {"save", "nosave"} <= clock.keys():
     index = save["steps"].index(10) - 1
     print(f"step 10's save paused the loop {save['intervals_s'][index] - median:.3f} s "
           f"(interval {save['intervals_s'][index]:.3f} s, median without saves {median:.3f} s)")
+    # The staging buffers (pinned host memory) are made after step 1's optimizer step: its interval pays for them.
+    first = save["steps"].index(1) - 1
+    print(f"step 1 with the staging buffers made: {save['intervals_s'][first]:.3f} s, "
+          f"without saves {clock['nosave']['intervals_s'][first]:.3f} s")
 directory = next(runs.glob("save/logs/*/version_*/checkpoints/step=10.ckpt"), None)
 if directory is not None:
     from lm_systems.files.checkpoint_dir import stored_tensors

@@ -63,6 +63,7 @@ class CheckpointDirStrategy(PublishedCheckpoints):
         self._checkpoint_timeout = timeout
         self._writer: Optional[CheckpointDirWriter] = None
         self._restored_from_directory = False
+        self._host_buffers_pending = False
 
     # -- the layout: overridden by strategies that shard --------------------------------------------------------
 
@@ -103,6 +104,22 @@ class CheckpointDirStrategy(PublishedCheckpoints):
         if self._writer is None:
             group = dist.new_group(backend="gloo", timeout=self._checkpoint_timeout)  # every rank, from setup
             self._writer = CheckpointDirWriter(group, asynchronous=self._async_save)
+        # A run that saves directories in the background makes its staging buffers after its first optimizer step
+        # (AdamW creates its state there), not inside its first save.
+        self._host_buffers_pending = (
+            self.writes_directories and self._writer.asynchronous and bool(trainer.checkpoint_callbacks)
+        )
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._host_buffers_pending:
+            self._host_buffers_pending = False
+            checkpoint = {
+                "state_dict": self.lightning_module_state_dict(),
+                "optimizer_states": [self.optimizer_state(optimizer) for optimizer in self.optimizers],
+            }
+            self._writer.allocate_host_buffers(checkpoint)
+        return result
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._checkpoint_format == "file":

@@ -1,6 +1,6 @@
 """SIGTERM to a running ``python train.py --devices 2``: the command the user typed (rank 0; Lightning started
 rank 1 from it), as a scheduler or ``kill`` sends it; and a rank of such a run that dies. Shared by the CPU (gloo)
-and GPU (NCCL) tests."""
+and GPU (NCCL) tests; also a rank killed while a checkpoint directory is being written."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+from lm_systems.files.checkpoint_dir import is_checkpoint_dir
 from lm_systems.files.checkpoint_io import read_checkpoint
 
 
@@ -77,6 +78,51 @@ def rank_dies_after_first_checkpoint(train_py, run_dir: Path, failure: str, *arg
     step = read_checkpoint(run_dir / named)["global_step"]
     assert named.name == f"step={step}.ckpt" and step >= 1
     train_py.run_ok(*args, "--max_steps", str(step + 1), "--ckpt_path", str(named), cwd=run_dir)
+
+
+SLOW_WRITES = "--trainer.callbacks+=tests.slow_checkpoint_writes.SlowCheckpointWrites"
+
+
+def rank_1_killed_mid_save(train_py, run_dir: Path, *args: str) -> Path:
+    """Start the run with ``args`` (a sharded strategy: checkpoint directories, each step's, written in the
+    background and slowly) and kill -9 rank 1 while a save is being written (once step=1.ckpt is whole); assert
+    that rank 0 stops within seconds, its one ``error:`` line naming rank 1 and the newest whole checkpoint, which
+    last.ckpt names too: never the directory in flight. Returns the checkpoint named."""
+    with train_py.start(*args, SLOW_WRITES, "--checkpointing_interval", "1", cwd=run_dir) as run:
+        deadline = time.monotonic() + 240
+        while not (whole_checkpoints(run_dir) and being_written(run_dir)):
+            assert run.poll() is None and time.monotonic() < deadline, "no save in flight after step=1.ckpt"
+            time.sleep(0.1)
+        (rank_1,) = [child for child in children_of(run.pid) if local_rank(child) == "1"]
+        os.kill(rank_1, signal.SIGKILL)
+        in_flight = {path.name.split(".tmp-")[0] for path in being_written(run_dir)}
+        stopped_at = time.monotonic()
+        _, err = run.communicate(timeout=120)
+        took = time.monotonic() - stopped_at
+    lines = err.strip().splitlines()
+    said = [line for line in lines if line.startswith("error:")]
+    assert len(said) == 1 and said[0] == lines[-1], err[-3000:]
+    assert said[0].startswith("error: rank 1 ") and "(killed by SIGKILL)" in said[0], said[0]
+    assert run.returncode == 1 and took < 20, (run.returncode, took)
+    assert not any(line.startswith("[rank0]") for line in lines), err[-3000:]  # no survivor traceback
+    assert "--ckpt_path " in said[0], said[0]
+    named = run_dir / said[0].rsplit("--ckpt_path ", 1)[1]
+    whole = whole_checkpoints(run_dir)
+    assert named.name == max(whole, key=lambda path: int(path.name[5:-5])).name and named.name not in in_flight
+    (last,) = run_dir.rglob("last.ckpt")
+    assert last.resolve() == named.resolve()
+    assert not [path for path in run_dir.rglob("step=*.ckpt") if path not in whole], "a half-written one is named"
+    return named
+
+
+def whole_checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoint directories under ``run_dir`` that were published whole."""
+    return [path for path in run_dir.rglob("step=*.ckpt") if is_checkpoint_dir(path)]
+
+
+def being_written(run_dir: Path) -> list[Path]:
+    """The checkpoint directories under ``run_dir`` not yet whole (a temporary name, or no metadata yet)."""
+    return [path for path in run_dir.rglob("step=*.ckpt*") if path.is_dir() and not is_checkpoint_dir(path)]
 
 
 def children_of(pid: int) -> list[int]:

@@ -11,7 +11,9 @@ step and validation on (bucketed_ddp also compiled in runs of blocks that share 
   speed and MFU agree with them and with the model's FLOPs counted from its shape;
 - SIGTERM to the run stops both processes, exit status 143;
 - a rank that dies (kill -9 of either, an exception on one) stops the other within seconds, in one line naming it and
-  the last whole checkpoint, from which the run resumes.
+  the last whole checkpoint, from which the run resumes; under zero3, killed while a checkpoint directory is being
+  written, it names the last whole one (never the one in flight) and the run resumed from it ends bit for bit where
+  the uninterrupted run ended.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 from run_record import load_records, replay
-from sigterm_run import FAILURES, rank_dies_after_first_checkpoint, sigterm_after_first_checkpoint
+from sigterm_run import (
+    FAILURES,
+    rank_1_killed_mid_save,
+    rank_dies_after_first_checkpoint,
+    sigterm_after_first_checkpoint,
+)
 
 from lm_systems.files.checkpoint_io import read_checkpoint
 
@@ -224,3 +231,14 @@ def test_a_rank_that_dies_stops_the_run_in_one_line_naming_it_and_the_checkpoint
         "--trainer.strategy.timeout",
         "0:01:00",
     )
+
+
+@pytest.mark.parametrize("strategy", ["zero3"], scope="module")
+def test_a_rank_killed_mid_save_names_the_last_whole_directory_and_the_run_resumes_from_it(
+    strategy, uninterrupted, train_py, tmp_path, assert_same_training_state
+):
+    run = [*train_py.tiny, *RUN, "--strategy", strategy]
+    named = rank_1_killed_mid_save(train_py, tmp_path, *run, "--trainer.strategy.timeout", "0:01:00")
+    assert read_checkpoint(named)["global_step"] < STEPS
+    train_py.run_ok(*run, "--ckpt_path", str(named), cwd=tmp_path)
+    assert_same_training_state(checkpoint(tmp_path, STEPS), checkpoint(uninterrupted, STEPS))

@@ -136,8 +136,9 @@ class CheckpointDirWriter:
         self.rank = dist.get_rank(group)
         self._lock = threading.Lock()
         self._pending: Optional[_PendingSave] = None
-        # The copy to host memory the loop waits for: into pinned buffers on a CUDA machine (kept for the next save,
-        # so the copy runs at the link's speed and they are allocated once), plain memory elsewhere.
+        # The copy to host memory the loop waits for: into pinned buffers on a CUDA machine (so the copy runs at the
+        # link's speed), plain memory elsewhere; DefaultStager keeps them, keyed by the tensors' storages, for the next
+        # save (allocate_host_buffers makes them before the first).
         cuda = torch.cuda.is_available()
         options = StagingOptions(
             use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
@@ -162,6 +163,13 @@ class CheckpointDirWriter:
         self._pending = pending
         future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group, async_stager=self._stager)
         future.add_done_callback(lambda done: self._finish(pending, done))
+
+    def allocate_host_buffers(self, checkpoint: dict[str, Any]) -> None:
+        """Copy ``checkpoint``'s tensors to host memory once, ahead of the first save: the staging buffers, kept from
+        one save to the next (by tensor storage), then exist before a save needs them, and each save only copies
+        into them. Not a collective; nothing is written."""
+        if self._stager is not None:
+            self._stager.stage(split_checkpoint(checkpoint)[0])
 
     def when_published(self, path: str | os.PathLike, action: Callable[[], None]) -> None:
         with self._lock:

@@ -10,8 +10,16 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from strategy_workers import STEPS_PER_EPOCH, TinyData, TinyLM, join_as_launched_process, make_trainer
+from strategy_workers import (
+    MICRO_BATCH,
+    STEPS_PER_EPOCH,
+    TinyData,
+    TinyLM,
+    join_as_launched_process,
+    make_trainer,
+)
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
 
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.parallel import FullyShardedDataParallel, ShardedOptimizer
@@ -83,6 +91,47 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
 
 
 RESUMED_ON_TWO = ("fsdp2", "zero1", "bucketed_ddp")
+RESUMED_ON_FOUR = ("zero3", "fsdp2", "zero1")
+
+
+def resume(name: str, world_size: int, out_dir: str, tag: str, data: L.LightningDataModule) -> None:
+    """Resume the first epoch's directory under strategy ``name`` for one step, its start state kept as ``tag``."""
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=name,
+        max_steps=STEPS_PER_EPOCH + 1,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[FullStateAtTrainStart(out_dir, tag)],
+        plugins=[SafeCheckpointIO()],
+        use_distributed_sampler=False,
+    )
+    first_epoch = Path(out_dir) / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+    trainer.fit(UnitsTinyLM(), datamodule=data, ckpt_path=str(first_epoch))
+
+
+class FourRanksData(TinyData):
+    """TinyData's windows dealt over any number of ranks, a micro-batch of MICRO_BATCH each (TinyData's sizes fit
+    one and two)."""
+
+    def _loader(self, windows: torch.Tensor) -> DataLoader:
+        world_size, rank = self.trainer.world_size, self.trainer.global_rank
+        return DataLoader(TensorDataset(windows[rank::world_size]), batch_size=MICRO_BATCH)
+
+
+def resume_on_four(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """The first epoch's directory, written by two processes, resumed on four under each of RESUMED_ON_FOUR."""
+    join_as_launched_process(rank, world_size, port)
+    try:
+        for name in RESUMED_ON_FOUR:
+            resume(name, world_size, out_dir, f"{name}_on_four", FourRanksData())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def save_under_zero3(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -102,23 +151,8 @@ def save_under_zero3(rank: int, world_size: int, port: int, out_dir: str) -> Non
             plugins=[SafeCheckpointIO()],
         )
         trainer.fit(TinyLM(), datamodule=TinyData())
-        first_epoch = Path(out_dir) / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
         for name in RESUMED_ON_TWO:
-            trainer = L.Trainer(
-                accelerator="cpu",
-                devices=world_size,
-                strategy=name,
-                max_steps=STEPS_PER_EPOCH + 1,
-                limit_val_batches=0,
-                logger=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                enable_checkpointing=False,
-                callbacks=[FullStateAtTrainStart(out_dir, name)],
-                plugins=[SafeCheckpointIO()],
-                use_distributed_sampler=False,
-            )
-            trainer.fit(UnitsTinyLM(), datamodule=TinyData(), ckpt_path=str(first_epoch))
+            resume(name, world_size, out_dir, name, TinyData())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

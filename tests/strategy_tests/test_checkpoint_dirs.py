@@ -1,8 +1,9 @@
 """Checkpoint directories (torch.distributed.checkpoint): a two-process zero3 run writes each epoch's checkpoint from
 both ranks, in the background; it is read back whole, and resumed on one process under zero3, fsdp2, zero1,
-bucketed_ddp and the default strategy, and on the same two under fsdp2, zero1 and bucketed_ddp, each starting from
-exactly the state the two processes saved (compared with that state gathered by zero3's own one-file path, bit for
-bit); consolidated into one file, which resumes too."""
+bucketed_ddp and the default strategy, on the same two under fsdp2, zero1 and bucketed_ddp, and on four under zero3,
+fsdp2 and zero1, each starting from exactly the state the two processes saved (compared with that state gathered by
+zero3's own one-file path, bit for bit); consolidated into one file, which resumes too. A background save's host
+buffers are made once, before the first save."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
-from checkpoint_dir_workers import RESUMED_ON_TWO, UnitsTinyLM, save_under_zero3
+import torch.multiprocessing as mp
+from checkpoint_dir_workers import RESUMED_ON_FOUR, RESUMED_ON_TWO, UnitsTinyLM, resume_on_four, save_under_zero3
+from lightning.pytorch.callbacks import ModelCheckpoint
 from strategy_workers import STEPS_PER_EPOCH, TinyData
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
 
 import strategies
+from lm_systems.files import checkpoint_dir
 from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_whole
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.files.consolidate import main as consolidate_main
@@ -137,6 +142,25 @@ def test_two_processes_directory_resumes_on_two_under_other_strategies(strategy,
     assert_same_optimizer_state(resumed["optimizer"], expected["optimizer"])
 
 
+@pytest.fixture(scope="module")
+def resumed_on_four(saved) -> Path:
+    """The two processes' first-epoch directory resumed on four spawned processes (gloo) under RESUMED_ON_FOUR."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    mp.spawn(resume_on_four, args=(4, find_free_network_port(), str(saved)), nprocs=4, join=True)
+    return saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", RESUMED_ON_FOUR)
+def test_two_processes_directory_resumes_on_four(strategy, resumed_on_four):
+    resumed = torch.load(resumed_on_four / f"{strategy}_on_four_start.pt", weights_only=False)
+    expected = full_state(resumed_on_four, SAVED_STEP)
+    assert resumed["global_step"] == expected["global_step"]
+    assert_equal_tensors(resumed["state_dict"], expected["state_dict"], "state_dict")
+    assert_same_optimizer_state(resumed["optimizer"], expected["optimizer"])
+
+
 def test_consolidated_into_one_file_it_resumes_a_sharded_strategy(saved, tmp_path, one_process, capsys):
     out = tmp_path / "consolidated.ckpt"
     consolidate_main([str(directory(saved, SAVED_STEP)), str(out)])
@@ -144,3 +168,61 @@ def test_consolidated_into_one_file_it_resumes_a_sharded_strategy(saved, tmp_pat
     assert out.is_file() and not is_checkpoint_dir(out)
     probe = resume(strategies.Zero3Strategy(checkpoint_format="file"), out, tmp_path)
     assert_resumed_from(probe, full_state(saved, SAVED_STEP))
+
+
+class RecordingStager(DefaultStager):
+    """DefaultStager, noting the host buffer (storage address) each ``stage`` copied each tensor into, by key."""
+
+    staged: list[dict[str, int]] = []
+
+    def stage(self, state_dict, **kwargs):
+        staged = super().stage(state_dict, **kwargs)
+        RecordingStager.staged.append(
+            {key: _local(value).untyped_storage().data_ptr() for key, value in staged.items()}
+        )
+        return staged
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+class StagedBeforeEachSave(L.Callback):
+    """How many stagings were done when each checkpoint was asked for (before the strategy's save stages it)."""
+
+    def __init__(self) -> None:
+        self.staged_before: list[int] = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.staged_before.append(len(RecordingStager.staged))
+
+
+def test_host_buffers_are_made_before_the_first_save_and_each_save_only_copies_into_them(
+    tmp_path, one_process, monkeypatch
+):
+    """The staging buffers of a background save exist before the loop's first save (made after the first optimizer
+    step, once AdamW's state exists): every save copies into buffers an earlier staging made, none of its own."""
+    monkeypatch.setattr(checkpoint_dir, "DefaultStager", RecordingStager)
+    monkeypatch.setattr(RecordingStager, "staged", [])
+    probe = StagedBeforeEachSave()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="zero3",
+        max_steps=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)],
+        plugins=[SafeCheckpointIO()],
+        default_root_dir=tmp_path,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(UnitsTinyLM(), datamodule=TinyData())
+    assert is_checkpoint_dir(tmp_path / "epoch=0-step=4.ckpt")
+    assert probe.staged_before == [1, 2], "one staging ahead of the saves at steps 2 and 4, then one for each"
+    ahead, *saves = RecordingStager.staged
+    assert {key.split("/")[0] for key in ahead} == {"model", "optimizer"}, "AdamW's state existed when staged ahead"
+    for staged in saves:
+        assert staged == ahead, "a save staged into buffers of its own"
