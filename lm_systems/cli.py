@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -75,7 +76,7 @@ def _data_context_length(size: str, context_length: Optional[int]) -> int:
     flag); jsonargparse would wrap an error raised here in a dump of this link."""
     if context_length is not None:
         return context_length
-    return MODEL_SIZES[size].context_length if size in MODEL_SIZES else ModelConfig.context_length
+    return MODEL_SIZES[size if size in MODEL_SIZES else ModelConfig.size].context_length
 
 
 class LMArgumentParser(LightningArgumentParser):
@@ -379,6 +380,7 @@ def main(args: Optional[list[str]] = None, run: bool = True, parts: CLIParts = C
         else:
             args = ["fit", *args]
     _quiet_lightning()
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # ModelConfig's field docstrings: --model.* help
     with reported_errors():  # one line and an exit status (lm_systems.errors), not a traceback
         return LMCLI(
             LitLM,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Optional
+from dataclasses import fields
+from typing import Any, Optional
 
 import lightning.pytorch as L
 import torch
@@ -11,7 +12,6 @@ from torchmetrics import MeanMetric
 
 from lm_systems.compat.lightning import attached_trainer, logs_this_step
 from lm_systems.model.config import ModelConfig
-from lm_systems.model.recompute import RECOMPUTE_CHOICES
 from lm_systems.model.shape import ModelShape
 from lm_systems.model.transformer import TransformerLM
 from lm_systems.run.description import describe_model, run_hyperparameters
@@ -28,32 +28,13 @@ from lm_systems.training.schedule import check_schedule, warmup_cosine_schedule
 
 
 class LitLM(L.LightningModule):
-    """Next-token training of a TransformerLM with AdamW and a warm-up + cosine schedule; its shape in ``config``.
+    """Next-token training of a TransformerLM with AdamW and a warm-up + cosine schedule.
+
+    The model's options (``--model.size``, ``--model.attention``, ...) are :class:`ModelConfig`'s fields, taken as
+    keyword arguments (``model_options``) into one ``ModelConfig``, ``config``, which the model reads; the arguments
+    here are the training's.
 
     Args:
-        size: named model size (tiny, small, medium, large, xl, 2.7b, 8b).
-        vocab_size: rows of the embedding and LM head; None takes the data's tokenizer vocabulary.
-        context_length: longest sequence; None takes the size's default. The data windows follow it.
-        d_model: override the size's model width.
-        num_layers: override the size's depth.
-        num_heads: override the size's head count.
-        d_ff: override the size's feed-forward width.
-        rope_theta: override the RoPE base (10,000 by default).
-        attention: attention implementation (auto, naive, sdpa, flash_torch, flash_triton).
-        activation_checkpointing: what backward recomputes, not kept: "none"; "blocks" (each block's input kept, the
-            block rerun: least memory, one more forward); "keep_attention" (as blocks, attention outputs kept: their
-            recompute costs most at long context); "selective" (matmul and attention outputs kept, the rest rerun);
-            "keep_projections" (as selective but w2's output, which backward never needs: the same work, less kept);
-            "auto" (per block, the most that fits memory_budget: the later blocks keep more; one line at start says
-            how many blocks got each policy and the predicted peak).
-        memory_budget: with activation_checkpointing auto, the memory one GPU may use: a fraction of the card when at
-            most 1 (0.9: 90%), GiB above 1 (e.g. 120). Counted against it: parameters, gradients and AdamW state
-            (divided over the GPUs by zero3 and fsdp2), the kept activations, one block's backward and the loss.
-            Without CUDA a fraction cannot be resolved: give GiB, or auto keeps each block's input only (as "blocks").
-        fused_loss: the LM head and cross-entropy over chunks of tokens, never holding every position's logits (at
-            vocabulary V and N tokens the plain loss holds N × V float32 logits and their gradient).
-        ffn_chunk_tokens: the feed-forward over chunks of this many positions (0: all at once): at long context, fewer
-            of its d_ff-wide intermediates alive at once when backward recomputes them.
         lr: peak learning rate, reached after warm-up.
         min_lr_ratio: the cosine decays to lr × min_lr_ratio.
         warmup_steps: optimizer steps of linear warm-up.
@@ -76,19 +57,6 @@ class LitLM(L.LightningModule):
 
     def __init__(
         self,
-        size: str = "tiny",
-        vocab_size: Optional[int] = None,
-        context_length: Optional[int] = None,
-        d_model: Optional[int] = None,
-        num_layers: Optional[int] = None,
-        num_heads: Optional[int] = None,
-        d_ff: Optional[int] = None,
-        rope_theta: Optional[float] = None,
-        attention: str = "auto",
-        activation_checkpointing: Literal[RECOMPUTE_CHOICES] = "none",
-        memory_budget: float = 0.9,
-        fused_loss: bool = True,
-        ffn_chunk_tokens: int = 0,
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 30,
@@ -100,11 +68,16 @@ class LitLM(L.LightningModule):
         sample_tokens: int = 48,
         on_nonfinite: NonFinitePolicy = "stop",
         max_consecutive_skips: int = 10,
+        **model_options: Any,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(logger=False)  # logged in on_fit_start, resolved and with the run's shape
+        config = ModelConfig(**model_options)
+        # The options as given (unset ones None), beside the training's: logged in on_fit_start, resolved and with the
+        # run's shape; a checkpoint's are the keyword arguments load_from_checkpoint builds its LitLM from.
+        self.save_hyperparameters(ignore="model_options", logger=False)
+        self.hparams.update({**{f.name: f.default for f in fields(ModelConfig)}, **model_options})
+        self._shape = ModelShape(config, vocab_known=self.hparams["vocab_size"] is not None)
         check_schedule(lr, min_lr_ratio, warmup_steps)
-        self._shape = ModelShape(size, self.hparams)
         self.model: TransformerLM | None = None
         self.flops_per_batch: float | None = None
         self.val_loss = MeanMetric()
@@ -114,7 +87,7 @@ class LitLM(L.LightningModule):
 
     @property
     def config(self) -> ModelConfig:
-        """The model's configuration: the named size with this module's overrides and the resolved vocabulary."""
+        """The model's options, resolved: the named size's shape where unset, the data's vocabulary where unset."""
         return self._shape.config
 
     def sharding_units(self) -> tuple[torch.nn.Module, Sequence[torch.nn.Module]]:

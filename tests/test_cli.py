@@ -2,6 +2,7 @@
 shipped config, the configured callbacks and progress bar, and errors that name the flag (two processes:
 tests/test_train_py_two_processes.py)."""
 
+from dataclasses import fields
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -14,6 +15,7 @@ from callbacks import StepsProgressBar
 from callbacks.progress import StepsTQDMProgressBar
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.lit_module import LitLM
+from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,3 +217,39 @@ def test_the_cli_lists_the_strategy_names_handed_in_first():
     with pytest.raises(ValueError) as error:
         check_trainer_choices({"strategy": "nope", "devices": 1}, ours=("ddp_spawn",))
     assert "one of: auto, ddp_spawn, " in str(error.value)
+
+
+# A value for every ModelConfig field, none of them the default's nor the named size's.
+EVERY_MODEL_OPTION = dict(
+    size="small",
+    vocab_size=123,
+    context_length=48,
+    d_model=96,
+    num_layers=3,
+    num_heads=3,
+    d_ff=200,
+    rope_theta=500.0,
+    attention="naive",
+    activation_checkpointing="selective",
+    memory_budget=0.5,
+    fused_loss=False,
+    ffn_chunk_tokens=16,
+)
+
+
+def test_every_model_config_field_is_a_model_flag_that_reaches_the_model(tiny_args, capsys):
+    """``--model.<field>`` for each ModelConfig field, by its name, its help the field's docstring; the built model's
+    config holds exactly the values typed."""
+    assert set(EVERY_MODEL_OPTION) == {f.name for f in fields(ModelConfig)}, "give the new field a value here"
+    small, typed = MODEL_SIZES["small"], dict(EVERY_MODEL_OPTION, size="tiny")  # small's fields against the others
+    assert all(value != getattr(small, name) for name, value in typed.items())
+    flags = [part for name, value in EVERY_MODEL_OPTION.items() for part in (f"--model.{name}", str(value))]
+    cli = main([*tiny_args, *flags], run=False)
+    cli.model.configure_model()
+    built = cli.model.model.config
+    assert {name: getattr(built, name) for name in EVERY_MODEL_OPTION} == EVERY_MODEL_OPTION
+    assert cli.datamodule.context_length == EVERY_MODEL_OPTION["context_length"]
+    help_text = " ".join(cli.parser.format_help().split())
+    for field in fields(ModelConfig):
+        assert f"--model.{field.name} " in help_text
+    assert "What backward recomputes, not kept" in help_text  # a field's docstring is its flag's help

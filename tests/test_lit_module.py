@@ -285,6 +285,7 @@ def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
     """So each one is settable from the command line (--model.<field>) and reaches the model: a value for every
     field, none of them tiny's, makes exactly that ModelConfig; unset ones keep the named size's."""
     values = dict(
+        size="small",
         vocab_size=123,
         context_length=48,
         d_model=96,
@@ -301,7 +302,7 @@ def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
     assert set(values) == {f.name for f in fields(ModelConfig)}, "give the new ModelConfig field a value here"
     tiny = MODEL_SIZES["tiny"]
     assert all(getattr(tiny, name) != value for name, value in values.items())
-    lit = LitLM(size="tiny", **values)
+    lit = LitLM(**values)
     assert lit.config == ModelConfig(**values)
     lit.configure_model()
     assert lit.model.config == lit.config

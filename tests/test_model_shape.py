@@ -3,6 +3,7 @@ is checked against the model, naming the flag to change."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -11,20 +12,8 @@ from lm_systems.errors import InputError
 from lm_systems.model.config import ModelConfig
 from lm_systems.model.shape import ModelShape
 
-OVERRIDES = {
-    "vocab_size": None,
-    "context_length": 32,
-    "d_model": 16,
-    "num_layers": 1,
-    "num_heads": 2,
-    "d_ff": 32,
-    "rope_theta": None,
-    "attention": "auto",
-    "activation_checkpointing": "none",
-    "memory_budget": None,
-    "fused_loss": True,
-    "ffn_chunk_tokens": 0,
-}
+TINY = ModelConfig(size="tiny", context_length=32, d_model=16, num_layers=1, num_heads=2, d_ff=32)
+"""Its vocabulary the size's, a placeholder where none was given."""
 
 
 def data(vocab_size=None, context_length=16, batch_size=4):
@@ -32,12 +21,12 @@ def data(vocab_size=None, context_length=16, batch_size=4):
 
 
 def test_the_vocabulary_is_the_tokenizers_until_one_is_given():
-    shape = ModelShape("tiny", OVERRIDES)
+    shape = ModelShape(TINY, vocab_known=False)
     with pytest.raises(RuntimeError, match="--model.vocab_size"):
         _ = shape.config
     assert shape.fit_to_data(data(vocab_size=300)) == 300
     assert shape.config.vocab_size == 300 and shape.data_shape == (4, 16)
-    given = ModelShape("tiny", {**OVERRIDES, "vocab_size": 512})
+    given = ModelShape(replace(TINY, vocab_size=512), vocab_known=True)
     assert given.fit_to_data(data(vocab_size=300)) == 512 and isinstance(given.config, ModelConfig)
 
 
@@ -47,4 +36,4 @@ def test_the_vocabulary_is_the_tokenizers_until_one_is_given():
 )
 def test_data_that_does_not_fit_names_the_flag(datamodule, flag):
     with pytest.raises(InputError, match=flag):
-        ModelShape("tiny", {**OVERRIDES, "vocab_size": 512}).fit_to_data(datamodule)
+        ModelShape(replace(TINY, vocab_size=512), vocab_known=True).fit_to_data(datamodule)

@@ -1,8 +1,14 @@
-"""Model configuration and the named model sizes."""
+"""Model configuration and the named model sizes: every ``--model.*`` option of the model, stated once.
+
+``train.py``'s ``--model.<field>`` flags are these fields, by these names: ``LitLM`` takes them as keyword arguments
+and builds one ``ModelConfig`` from them, which the model and its parts read (jsonargparse shows each field's
+docstring as the flag's ``--help``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
+from typing import Literal, Optional
 
 from lm_systems.attention import attention_names
 from lm_systems.model.recompute import RECOMPUTE_CHOICES
@@ -10,34 +16,61 @@ from lm_systems.model.recompute import RECOMPUTE_CHOICES
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a TransformerLM; ``ModelConfig.from_name("small")`` gives a named size."""
+    """Shape of a TransformerLM and how it runs: a named ``size`` whose shape fields left unset (None) are the size's;
+    ``ModelConfig(size="small")`` or ``ModelConfig.from_name("small")`` gives a named size."""
 
-    vocab_size: int = 10_000
-    """Rows of the embedding and LM head; at least the tokenizer's vocabulary."""
-    context_length: int = 256
-    """Longest sequence the model accepts (RoPE tables are built this long)."""
-    d_model: int = 768
-    num_layers: int = 12
-    num_heads: int = 12
-    d_ff: int = 3072
-    """Hidden width of the SwiGLU feed-forward."""
-    rope_theta: float = 10_000.0
+    size: str = "tiny"
+    """Named model size (tiny, small, medium, large, xl, 2.7b, 8b): the shape of every field below left unset."""
+    vocab_size: Optional[int] = None
+    """Rows of the embedding and LM head, at least the tokenizer's vocabulary; unset: the data's tokenizer's when
+    training (the size's own, 10,000 or 151,936, for a model built without data)."""
+    context_length: Optional[int] = None
+    """Longest sequence the model accepts (RoPE tables are built this long); unset: the size's. The data windows
+    follow it."""
+    d_model: Optional[int] = None
+    """Model width; unset: the size's."""
+    num_layers: Optional[int] = None
+    """Number of Transformer blocks; unset: the size's."""
+    num_heads: Optional[int] = None
+    """Attention heads; unset: the size's."""
+    d_ff: Optional[int] = None
+    """Hidden width of the SwiGLU feed-forward; unset: the size's."""
+    rope_theta: Optional[float] = None
+    """RoPE base; unset: the size's (10,000)."""
     attention: str = "auto"
-    """Attention implementation by name (``lm_systems.attention.attention_names()``)."""
-    activation_checkpointing: str = "none"
-    """What backward recomputes instead of keeping: one of ``lm_systems.model.recompute.RECOMPUTE_CHOICES``; ``auto``
-    chooses a policy per block, the most each can keep within ``memory_budget`` (``lm_systems.model.memory_budget``)."""
+    """Attention implementation by name (auto, naive, sdpa, flash_torch, flash_triton, ...:
+    ``lm_systems.attention.attention_names()``)."""
+    activation_checkpointing: Literal[RECOMPUTE_CHOICES] = "none"
+    """What backward recomputes, not kept (``lm_systems.model.recompute``): "none"; "blocks" (each block's input kept,
+    the block rerun: least memory, one more forward); "keep_attention" (as blocks, attention outputs kept: their
+    recompute costs most at long context); "selective" (matmul and attention outputs kept, the rest rerun);
+    "keep_projections" (as selective but w2's output, which backward never needs: the same work, less kept); "auto"
+    (per block, the most that fits memory_budget: the later blocks keep more; one line at start says how many blocks
+    got each policy and the predicted peak)."""
     memory_budget: float = 0.9
-    """With ``activation_checkpointing`` auto, the memory one GPU may use: a fraction of its card (at most 1) or GiB
-    (above 1). A fraction needs the card's size: without CUDA, auto keeps ``blocks``'s bytes (its first fallback)."""
+    """With activation_checkpointing auto, the memory one GPU may use: a fraction of the card when at most 1 (0.9:
+    90%), GiB above 1 (e.g. 120). Counted against it: parameters, gradients and AdamW state (divided over the GPUs by
+    zero3 and fsdp2), the kept activations, one block's backward and the loss. Without CUDA a fraction cannot be
+    resolved: give GiB, or auto keeps each block's input only (as "blocks")."""
     fused_loss: bool = True
-    """The LM head and cross-entropy over chunks of tokens, never holding every position's logits
-    (``lm_systems.model.loss``); False computes the logits, then the cross-entropy."""
+    """The LM head and cross-entropy over chunks of tokens, never holding every position's logits (at vocabulary V and
+    N tokens the plain loss holds N × V float32 logits and their gradient; ``lm_systems.model.loss``); false computes
+    the logits, then the cross-entropy."""
     ffn_chunk_tokens: int = 0
-    """The feed-forward over chunks of this many positions (0: all at once): fewer of its d_ff-wide intermediates
-    alive at once when backward recomputes them, where long contexts peak."""
+    """The feed-forward over chunks of this many positions (0: all at once): at long context, fewer of its d_ff-wide
+    intermediates alive at once when backward recomputes them."""
 
     def __post_init__(self) -> None:
+        if self.size not in _SIZE_SHAPES:
+            raise ValueError(
+                f"unknown model size {self.size!r} (set --model.size to one of: {', '.join(_SIZE_SHAPES)})"
+            )
+        for name, value in _SIZE_SHAPES[self.size].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        self._check()
+
+    def _check(self) -> None:
         if self.attention not in attention_names():  # checked here only: the model and the registry trust it
             raise ValueError(
                 f"unknown attention {self.attention!r} (set --model.attention to one of: "
@@ -72,27 +105,36 @@ class ModelConfig:
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "ModelConfig":
-        """The named size ``name`` with any field overridden (``None`` overrides are ignored)."""
-        if name not in MODEL_SIZES:
-            raise ValueError(f"unknown model size {name!r} (set --model.size to one of: {', '.join(MODEL_SIZES)})")
-        known = {f.name for f in fields(cls)}
+        """The named size ``name`` with any field overridden (``None`` overrides leave the size's)."""
+        known = {f.name for f in fields(cls)} - {"size"}
         unknown = set(overrides) - known
         if unknown:
             raise ValueError(f"unknown model config keys {sorted(unknown)}; valid keys: {sorted(known)}")
-        return replace(MODEL_SIZES[name], **{k: v for k, v in overrides.items() if v is not None})
+        return cls(size=name, **overrides)
 
 
-MODEL_SIZES: dict[str, ModelConfig] = {
+_CS336 = dict(vocab_size=10_000, context_length=256, rope_theta=10_000.0)
+_SIZE_SHAPES: dict[str, dict[str, int | float]] = {
     # Trains in about a minute on two CPU cores.
-    "tiny": ModelConfig(context_length=128, d_model=128, num_layers=4, num_heads=4, d_ff=512),
+    "tiny": dict(_CS336, context_length=128, d_model=128, num_layers=4, num_heads=4, d_ff=512),
     # The CS336 sizes (GPT-2 small … 2.7B shapes, vocab 10,000).
-    "small": ModelConfig(d_model=768, num_layers=12, num_heads=12, d_ff=3072),
-    "medium": ModelConfig(d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
-    "large": ModelConfig(d_model=1280, num_layers=36, num_heads=20, d_ff=5120),
-    "xl": ModelConfig(d_model=1600, num_layers=48, num_heads=25, d_ff=6400),
-    "2.7b": ModelConfig(d_model=2560, num_layers=32, num_heads=32, d_ff=10240),
+    "small": dict(_CS336, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
+    "medium": dict(_CS336, d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
+    "large": dict(_CS336, d_model=1280, num_layers=36, num_heads=20, d_ff=5120),
+    "xl": dict(_CS336, d_model=1600, num_layers=48, num_heads=25, d_ff=6400),
+    "2.7b": dict(_CS336, d_model=2560, num_layers=32, num_heads=32, d_ff=10240),
     # The CS336 2026 leaderboard's 8B shape (vocab 151,936; context 32,768).
-    "8b": ModelConfig(
-        vocab_size=151_936, context_length=32_768, d_model=4096, num_layers=34, num_heads=32, d_ff=11_008
+    "8b": dict(
+        vocab_size=151_936,
+        context_length=32_768,
+        d_model=4096,
+        num_layers=34,
+        num_heads=32,
+        d_ff=11_008,
+        rope_theta=1e4,
     ),
 }
+"""Each named size's shape: the values of ``ModelConfig``'s fields left unset."""
+
+MODEL_SIZES: dict[str, ModelConfig] = {name: ModelConfig(size=name) for name in _SIZE_SHAPES}
+"""Each named size, its vocabulary the size's own."""

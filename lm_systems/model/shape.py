@@ -1,10 +1,9 @@
-"""The shape of the model a LitLM trains: a named size with any field overridden, its vocabulary taken from the data's
-tokenizer where unset, checked against the data (the tokenizer's tokens, the windows' length)."""
+"""The shape of the model a LitLM trains: its ``ModelConfig``, the vocabulary taken from the data's tokenizer where
+unset, checked against the data (the tokenizer's tokens, the windows' length)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 from lm_systems.errors import InputError
@@ -15,12 +14,12 @@ DataShape = tuple[Optional[int], Optional[int]]
 
 
 class ModelShape:
-    """Validates the size and every override (the attention's name included) when made, even while the vocabulary is
-    still unknown: ``arguments`` named as ModelConfig's fields are its overrides."""
+    """``config`` (checked when made, the attention's name included) with its vocabulary the data's where
+    ``vocab_known`` is false: until then the size's vocabulary stands in for it."""
 
-    def __init__(self, size: str, arguments: Mapping[str, Any]) -> None:
-        self._config = ModelConfig.from_name(size, **{f.name: arguments[f.name] for f in fields(ModelConfig)})
-        self._vocab_known = arguments["vocab_size"] is not None  # else the named size's is a placeholder
+    def __init__(self, config: ModelConfig, vocab_known: bool) -> None:
+        self._config = config
+        self._vocab_known = vocab_known
         self.data_shape: Optional[DataShape] = None  # from fit_to_data
 
     @property

@@ -7,6 +7,7 @@ model past ``CPU_MAX_PARAMETERS`` gets a warning naming what it needs, before mi
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Optional
 
 import torch
@@ -83,15 +84,8 @@ def _parameters(model: Any) -> Optional[int]:
     """The parameter count of the model ``model`` describes, counted on the meta device (nothing allocated); None
     when its shape is invalid (LitLM reports that, naming the flag)."""
     try:
-        config = ModelConfig.from_name(
-            model.size,
-            vocab_size=model.vocab_size,  # None: the size's own (the tokenizer's is not known yet)
-            context_length=model.context_length,
-            d_model=model.d_model,
-            num_layers=model.num_layers,
-            num_heads=model.num_heads,
-            d_ff=model.d_ff,
-        )
+        # The vocabulary left unset is the size's own here: the tokenizer's is not known yet.
+        config = ModelConfig(**{f.name: model.get(f.name) for f in fields(ModelConfig) if f.name in model})
     except ValueError:
         return None
     with torch.device("meta"):

@@ -118,7 +118,7 @@ class SavedSettings:
 
     def _refuse_shape_changes(self, typed: Namespace) -> None:
         def shape(values: dict[str, Any]) -> ModelConfig:
-            return ModelConfig.from_name(values["size"], **{k: values.get(k) for k in SHAPE_KEYS if k != "size"})
+            return ModelConfig(**{k: values.get(k) for k in SHAPE_KEYS})
 
         saved = self.hparams
         differing = [key for key in SHAPE_KEYS if key in saved and typed.get(key) != saved[key]]
