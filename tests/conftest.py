@@ -15,12 +15,15 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from environment import environment_kept
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,6 +79,20 @@ def lightning_log(caplog, monkeypatch):
     monkeypatch.setattr(rank_zero_logger, "propagate", False)  # the handler above, not the root's too: no doubles
     caplog.set_level(logging.INFO, logger=rank_zero_logger.name)
     return caplog
+
+
+@pytest.fixture
+def single_rank_group():
+    """A one-process gloo group in this process, destroyed afterwards."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{find_free_network_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

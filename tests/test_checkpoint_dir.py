@@ -19,7 +19,6 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch.distributed.checkpoint import FileSystemWriter
 
 import strategies
@@ -33,19 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def group():
+def group(single_rank_group):
     """A one-process default group, and the gloo group a writer coordinates its saves over."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{find_free_network_port()}",
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        yield dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
-    finally:
-        dist.destroy_process_group()
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
 
 
 def a_checkpoint(rows: int = 4) -> dict:

@@ -2,7 +2,6 @@
 name --ckpt."""
 
 import os
-from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -10,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from environment import environment_kept
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.files.checkpoint_dir import CheckpointDirWriter
@@ -61,22 +59,12 @@ def test_the_loaded_model_is_the_trained_one(trained, greedy_text):
     assert sample_text(model, tokenizer, "Once upon a time", max_new_tokens=4, temperature=0) == expected
 
 
-def test_a_checkpoint_directory_is_read_directly(trained, tmp_path):
+def test_a_checkpoint_directory_is_read_directly(trained, tmp_path, single_rank_group):
     """As zero3, zero1 and fsdp2 write them: the weights gathered from the directory, the same model."""
     lit, data, path = trained
     directory = tmp_path / "trained.ckpt"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{find_free_network_port()}",
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        writer = CheckpointDirWriter(dist.new_group(backend="gloo"), asynchronous=False)
-        writer.save(torch.load(path, weights_only=False), directory)
-    finally:
-        dist.destroy_process_group()
+    writer = CheckpointDirWriter(dist.new_group(backend="gloo"), asynchronous=False)
+    writer.save(torch.load(path, weights_only=False), directory)
     model, tokenizer = load_checkpoint(directory)
     tokens = torch.randint(0, data.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     lit.eval()
