@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
+from every_model_option import EVERY_MODEL_OPTION
 from lightning.pytorch.cli import LightningCLI
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -217,24 +218,6 @@ def test_the_cli_lists_the_strategy_names_handed_in_first():
     with pytest.raises(ValueError) as error:
         check_trainer_choices({"strategy": "nope", "devices": 1}, ours=("ddp_spawn",))
     assert "one of: auto, ddp_spawn, " in str(error.value)
-
-
-# A value for every ModelConfig field, none of them the default's nor the named size's.
-EVERY_MODEL_OPTION = dict(
-    size="small",
-    vocab_size=123,
-    context_length=48,
-    d_model=96,
-    num_layers=3,
-    num_heads=3,
-    d_ff=200,
-    rope_theta=500.0,
-    attention="naive",
-    activation_checkpointing="selective",
-    memory_budget=0.5,
-    fused_loss=False,
-    ffn_chunk_tokens=16,
-)
 
 
 def test_every_model_config_field_is_a_model_flag_that_reaches_the_model(tiny_args, capsys):

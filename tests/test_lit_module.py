@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import lightning.pytorch as L
 import pytest
 import torch
+from every_model_option import EVERY_MODEL_OPTION
 from random_windows import RandomWindowsLM
 from schedule_reference import expected_lr_factor
 from torch.utils.data import DataLoader
@@ -284,21 +285,7 @@ def test_outside_a_trainer_an_unknown_vocabulary_names_the_flag():
 def test_every_model_config_field_is_a_litlm_argument_with_the_same_meaning():
     """So each one is settable from the command line (--model.<field>) and reaches the model: a value for every
     field, none of them tiny's, makes exactly that ModelConfig; unset ones keep the named size's."""
-    values = dict(
-        size="small",
-        vocab_size=123,
-        context_length=48,
-        d_model=96,
-        num_layers=3,
-        num_heads=3,
-        d_ff=200,
-        rope_theta=500.0,
-        attention="naive",
-        activation_checkpointing="blocks",
-        memory_budget=0.5,
-        fused_loss=False,
-        ffn_chunk_tokens=16,
-    )
+    values = EVERY_MODEL_OPTION
     assert set(values) == {f.name for f in fields(ModelConfig)}, "give the new ModelConfig field a value here"
     tiny = MODEL_SIZES["tiny"]
     assert all(getattr(tiny, name) != value for name, value in values.items())
