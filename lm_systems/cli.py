@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -21,7 +21,6 @@ from lm_systems.compat.lightning import CommandLineOverCheckpointCLI, precision_
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
 from lm_systems.files.checkpoint_io import NEWEST, SafeCheckpointIO, require_checkpoint_file
-from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from lm_systems.run.cli_parts import CLIParts
@@ -32,10 +31,13 @@ from lm_systems.run.device_fit import check_model_fits_device, device_type
 from lm_systems.run.help_cache import SUBCOMMANDS
 from lm_systems.run.logger import run_version_of
 from lm_systems.run.output_folders import make_output_folder
-from lm_systems.run.rank_watch import RankWatch
-from lm_systems.run.resume import ResumedLoggingSteps, RunConfigRecord, SavedSettings, checkpoint_to_resume
+from lm_systems.run.resume import SavedSettings, checkpoint_to_resume
 from lm_systems.run.strategy_flags import strategy_names_as_classes
-from lm_systems.run.summary import RunSummary
+from lm_systems.run_callbacks.checkpoints import CrashCheckpoint, StepCheckpoint
+from lm_systems.run_callbacks.config_file import RunConfigFile
+from lm_systems.run_callbacks.rank_watch import RankWatch
+from lm_systems.run_callbacks.resume_settings import ResumedLoggingSteps, RunConfigRecord
+from lm_systems.run_callbacks.summary import RunSummary
 
 SHORT_FLAGS: dict[str, tuple[type, str]] = {
     "strategy": (Optional[str], "ddp, naive_ddp, overlap_ddp, bucketed_ddp, zero1, zero3 (each also *_spawn), auto, …"),
@@ -102,15 +104,6 @@ class LMArgumentParser(LightningArgumentParser):
             if action.dest == "ckpt_path":  # Lightning's text describes its own `last`, not this project's
                 action.help = CKPT_PATH_HELP
         return added
-
-
-class RunConfigFile(SaveConfigCallback):
-    """LightningCLI's ``config.yaml`` in the run's log folder; none without a logger (``--trainer.logger false``),
-    where Lightning wrote it into the working directory (each checkpoint keeps the run's settings anyway)."""
-
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if trainer.logger is not None:
-            super().setup(trainer, pl_module, stage)
 
 
 class LMCLI(CommandLineOverCheckpointCLI):

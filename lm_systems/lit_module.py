@@ -15,12 +15,13 @@ from lm_systems.model.config import ModelConfig
 from lm_systems.model.shape import ModelShape
 from lm_systems.model.transformer import TransformerLM
 from lm_systems.run.description import describe_model, run_hyperparameters
-from lm_systems.run.resume import ThisRunsOptimizerSettings
-from lm_systems.run.training_sample import TrainingSample
+from lm_systems.run_callbacks.nonfinite_watch import NonFiniteWatch
+from lm_systems.run_callbacks.resume_settings import ThisRunsOptimizerSettings
+from lm_systems.run_callbacks.training_sample import TrainingSample
 from lm_systems.training.checkpoint_record import check_resumed_tokenizer, record_run, refuse_nonfinite
 from lm_systems.training.clipping import GradientClipping, clip_grad_norm, global_grad_norm
 from lm_systems.training.compile_policy import CompileChoice, compile_model
-from lm_systems.training.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteWatch, divergence_advice
+from lm_systems.training.nonfinite import NonFiniteGuard, NonFinitePolicy, divergence_advice
 from lm_systems.training.optim import adamw_param_groups, make_adamw
 from lm_systems.training.out_of_memory import RunTerms, named_out_of_memory, strategy_name
 from lm_systems.training.recompute_budget import recompute_plan

@@ -26,7 +26,7 @@ from lm_systems.errors import RunError
 from lm_systems.files import checkpoint_dir
 from lm_systems.files.checkpoint_dir import CheckpointDirWriter, is_checkpoint_dir, read_whole
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
-from lm_systems.files.checkpointing import StepCheckpoint
+from lm_systems.run_callbacks.checkpoints import StepCheckpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ KILLED_MID_SAVE = textwrap.dedent(
     from torch.distributed.checkpoint import FileSystemWriter
     import strategies
     from lm_systems.files.checkpoint_io import SafeCheckpointIO
-    from lm_systems.files.checkpointing import StepCheckpoint
+    from lm_systems.run_callbacks.checkpoints import StepCheckpoint
     from random_windows import RandomWindowsLM
 
     folder, marker = Path(sys.argv[1]), Path(sys.argv[2])

@@ -16,7 +16,7 @@ import torch
 from random_windows import RandomWindowsLM
 
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
-from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
+from lm_systems.run_callbacks.checkpoints import CrashCheckpoint, StepCheckpoint
 from lm_systems.training.nonfinite import NonFiniteWeightsError
 
 ADVICE = ("--model.lr", "--trainer.gradient_clip_val", "bf16-mixed")

@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from callbacks.progress import StepsProgressBar, StepsTQDMProgressBar
-from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.run.logger import RunLogger
+from lm_systems.run_callbacks.checkpoints import CrashCheckpoint, StepCheckpoint
 from train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv

@@ -16,12 +16,12 @@ from torch.utils.data import DataLoader
 
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
-from lm_systems.files.checkpointing import CrashCheckpoint, StepCheckpoint
 from lm_systems.generate import load_checkpoint
 from lm_systems.lit_module import LitLM
 from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from lm_systems.model.transformer import TransformerLM
 from lm_systems.run.description import run_hyperparameters
+from lm_systems.run_callbacks.checkpoints import CrashCheckpoint, StepCheckpoint
 from lm_systems.training.sampling import sample_text
 
 SMALL_MODEL = dict(

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from lm_systems.run.summary import _duration
+from lm_systems.run_callbacks.summary import _duration
 from train import main
 
 

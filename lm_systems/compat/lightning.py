@@ -117,7 +117,7 @@ def launched_ranks(trainer: Trainer) -> list[subprocess.Popen]:
 def stop_child_process_observer() -> None:
     """Turn off the thread (private ``_ChildProcessObserver``) that Lightning's popen launcher starts in rank 0: on a
     child rank's non-zero exit it SIGKILLs every process of the run, rank 0 included, without a word; a watch of the
-    caller's own does that job instead (``lm_systems.run.rank_watch``). Its loop ends at its next wake-up."""
+    caller's own does that job instead (``lm_systems.run_callbacks.rank_watch``). Its loop ends at its next wake-up."""
     for thread in threading.enumerate():
         if isinstance(thread, _ChildProcessObserver):
             thread._run = lambda: True

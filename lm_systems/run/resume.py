@@ -12,7 +12,8 @@ it). Objects that are not plain values (callbacks, a logger's settings) are the 
 shape (``SHAPE_KEYS``) must match: a typed value that changes it is refused, naming both. The tokenizer is
 compared once the data is ready (``LitLM.on_load_checkpoint``). The log lists every setting that changed since
 the checkpoint was written (``RunConfigRecord`` stores the run's settings in each checkpoint). A resumed run trains
-with its own optimizer settings, not the checkpoint's (``ThisRunsOptimizerSettings``).
+with its own optimizer settings, not the checkpoint's (``ThisRunsOptimizerSettings``). These callbacks are in
+:mod:`lm_systems.run_callbacks.resume_settings`.
 """
 
 from __future__ import annotations
@@ -20,23 +21,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as L
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info
-from typing_extensions import override
 
-from lm_systems.compat.lightning import align_logging_step
 from lm_systems.errors import InputError
 from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_meta
 from lm_systems.files.checkpoint_io import newest_run_checkpoint
-from lm_systems.files.checkpointing import CrashCheckpoint
+from lm_systems.files.checkpointing import CRASH_CHECKPOINT
 from lm_systems.model.config import ModelConfig
 from lm_systems.training.nonfinite import weights_are_finite
 
 SHAPE_KEYS = ("size", "vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta")
 """LitLM arguments that fix the model's shape: a resumed run keeps the checkpoint's."""
-CRASH_CHECKPOINTS = f"logs/*/version_*/checkpoints/{CrashCheckpoint.FILENAME}"
+CRASH_CHECKPOINTS = f"logs/*/version_*/checkpoints/{CRASH_CHECKPOINT}"
 """Where a stopped run's ``crash.ckpt`` lies, relative to the folder train.py ran in (or its default_root_dir)."""
 RUN_CONFIG_KEY = "run_config"
 """Checkpoint entry holding the run's flat settings (model ones aside: ``hyper_parameters`` has those, resolved)."""
@@ -174,65 +172,3 @@ def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
         return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
 
     return [f"{key} {before[key]!r} → {now[key]!r}" for key in now if key in before and not same(before[key], now[key])]
-
-
-class RunConfigRecord(L.Callback):
-    """Stores the run's settings in each checkpoint, for a resumed run to say what it changed."""
-
-    def __init__(self, config: Namespace) -> None:
-        self._settings = {k: v for k, v in flat_settings(config).items() if not k.startswith("model.")}
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: "L.Trainer", pl_module: "L.LightningModule", checkpoint: dict[str, Any]
-    ) -> None:
-        checkpoint[RUN_CONFIG_KEY] = self._settings
-
-
-class ResumedLoggingSteps(L.Callback):
-    """A resumed run's TensorBoard points at the steps an uninterrupted run puts them at (``align_logging_step``)."""
-
-    def __init__(self) -> None:
-        self._aligned = False
-
-    @override
-    def on_train_batch_start(
-        self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any, batch_idx: int
-    ) -> None:
-        if not self._aligned and trainer.ckpt_path is not None:
-            align_logging_step(trainer)
-        self._aligned = True
-
-
-class ThisRunsOptimizerSettings(L.Callback):
-    """Lightning restores the optimizer's and the schedule's state with the settings they were saved with (peak
-    learning rate, betas, weight decay); a resumed run trains with its own, at the schedule's current step.
-
-    They are read as the fit starts, after ``configure_optimizers`` and before the checkpoint's state is restored;
-    the peak learning rate from the scheduler's ``initial_lr`` (the group's ``lr`` already follows the schedule)."""
-
-    def __init__(self) -> None:
-        self._settings: list[dict[str, Any]] = []
-
-    @override
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._settings = [
-            {
-                **{k: v for k, v in group.items() if k not in ("params", "initial_lr")},
-                "lr": group.get("initial_lr", group["lr"]),
-            }
-            for group in trainer.optimizers[0].param_groups
-        ]
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.ckpt_path is None:
-            return
-        optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
-        for group, settings in zip(optimizer.param_groups, self._settings, strict=True):
-            group.update(settings, initial_lr=settings["lr"])
-        scheduler.base_lrs = [settings["lr"] for settings in self._settings]
-        for group, base_lr, factor in zip(
-            optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
-        ):
-            group["lr"] = base_lr * factor(scheduler.last_epoch)

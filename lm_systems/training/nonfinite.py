@@ -1,17 +1,14 @@
 """Non-finite values in training: NonFiniteGuard notices non-finite losses and gradient norms without a host sync on the
-steps that are fine, NonFiniteWatch reads its record during training; ``weights_are_finite`` is the check before a
-checkpoint is written."""
+steps that are fine (:mod:`lm_systems.run_callbacks.nonfinite_watch`'s NonFiniteWatch reads its record during
+training); ``weights_are_finite`` is the check before a checkpoint is written."""
 
 from __future__ import annotations
 
 import math
 from typing import Iterable, Literal, Optional
 
-import lightning.pytorch as L
 import torch
-from typing_extensions import override
 
-from lm_systems.compat.lightning import logs_this_step
 from lm_systems.errors import RunError
 
 NonFinitePolicy = Literal["stop", "skip"]
@@ -112,23 +109,3 @@ class NonFiniteGuard:
                 f"{run} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
                 f"(limit --model.max_consecutive_skips {self.max_consecutive_skips}): training stopped: {advice}"
             )
-
-
-class NonFiniteWatch(L.Callback):
-    """Reads ``guard``'s record (one host sync) on logged steps, where Lightning reads the logged values anyway; under
-    "skip", also when the limit may be met; and as training ends. Stopping, the error ends in ``advice``."""
-
-    def __init__(self, guard: NonFiniteGuard, advice: str) -> None:
-        self._guard = guard
-        self._advice = advice
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int
-    ) -> None:
-        if logs_this_step(trainer) or self._guard.check_due():
-            self._guard.check(self._advice)
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._guard.check(self._advice)

@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lm_systems.compat.lightning import launched_ranks, stop_child_process_observer
-from lm_systems.run.summary import shown_path
+from lm_systems.run_callbacks.summary import shown_path
 
 POLL_S = 0.5
 """How often rank 0 looks at the ranks it started."""
