@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from environment import environment_kept
-from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,6 +83,9 @@ def lightning_log(caplog, monkeypatch):
 @pytest.fixture
 def single_rank_group():
     """A one-process gloo group in this process, destroyed afterwards."""
+    # Imported here: Lightning imports triton, which must come after TRITON_INTERPRET is set above.
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{find_free_network_port()}",
