@@ -4,14 +4,11 @@ checkpoints written before the budget load."""
 
 from __future__ import annotations
 
-import gc
 import logging
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from kept_tensors import kept_bytes
 
 from lm_systems.lit_module import LitLM
 from lm_systems.model.config import MODEL_SIZES, ModelConfig
@@ -34,35 +31,6 @@ SHAPES = [
 ]
 
 
-class _Made(TorchDispatchMode):
-    """Weak references to every tensor an operation makes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: list[weakref.ref] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return out
-
-
-def _kept_bytes(model: TransformerLM, tokens: torch.Tensor) -> int:
-    """Bytes the forward's tensors still hold once it has returned (what waits for backward), the storages of the
-    parameters and buffers aside (matmuls keep views of their weights)."""
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    spy = _Made()
-    with spy:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-    gc.collect()
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for ref in spy.made
-        if (t := ref()) is not None and t is not loss
-    }
-    return sum(nbytes for pointer, nbytes in storages.items() if pointer not in own)
-
-
 def _model(policy: str, dtype: torch.dtype, layers: int, shape: dict) -> TransformerLM:
     torch.manual_seed(0)
     config = ModelConfig(
@@ -77,7 +45,7 @@ def _model(policy: str, dtype: torch.dtype, layers: int, shape: dict) -> Transfo
 def test_the_bytes_counted_are_the_bytes_kept(policy, shape, dtype):
     """Per block: what two blocks more keep, halved (the embedding, head and loss cancel out)."""
     tokens = torch.randint(0, 61, (2, 25))  # 24 positions a row
-    kept = [_kept_bytes(_model(policy, dtype, layers, shape), tokens) for layers in (2, 4)]
+    kept = [kept_bytes(_model(policy, dtype, layers, shape), tokens, own_storages_aside=True) for layers in (2, 4)]
     config = _model(policy, dtype, 1, shape).config
     element = torch.finfo(dtype).bits // 8
     assert (kept[1] - kept[0]) // 2 == 2 * 24 * kept_bytes_per_token(config, policy, element)

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kept_tensors import kept_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lm_systems.model.config import ModelConfig
 from lm_systems.model.recompute import RECOMPUTE_POLICIES, run_with_recompute
@@ -29,33 +26,6 @@ def _loss_and_grads(model: TransformerLM, tokens: torch.Tensor) -> tuple[torch.T
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
-class _Outputs(TorchDispatchMode):
-    """Weak references to every tensor an operation makes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: list[weakref.ref] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return out
-
-
-def _kept_bytes(model: TransformerLM, tokens: torch.Tensor) -> int:
-    """Bytes still held, once the forward has returned, by tensors the forward made: what waits for backward."""
-    spy = _Outputs()
-    with spy:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-    gc.collect()
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for ref in spy.made
-        if (t := ref()) is not None and t is not loss
-    }
-    return sum(storages.values())
 
 
 RECOMPUTING = [policy for policy in RECOMPUTE_POLICIES if policy != "none"]
@@ -103,12 +73,11 @@ def test_a_policy_per_block_inside_compiled_blocks_gives_the_same_gradients():
 
 def test_each_policy_keeps_less_for_backward():
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 25))
-    kept = {policy: _kept_bytes(_model(policy), tokens) for policy in RECOMPUTE_POLICIES}
+    kept = {policy: kept_bytes(_model(policy), tokens) for policy in RECOMPUTE_POLICIES}
     assert kept["blocks"] < kept["keep_attention"] < kept["keep_projections"] < kept["selective"] < kept["none"]
     # Each block more: "blocks" keeps its input alone, one (B, T, D) float64; the others keep far more.
     deeper = {
-        policy: _kept_bytes(_model(policy, num_layers=CONFIG["num_layers"] + 2), tokens)
-        for policy in RECOMPUTE_POLICIES
+        policy: kept_bytes(_model(policy, num_layers=CONFIG["num_layers"] + 2), tokens) for policy in RECOMPUTE_POLICIES
     }
     per_block = {policy: (deeper[policy] - kept[policy]) / 2 for policy in RECOMPUTE_POLICIES}
     assert per_block["blocks"] == 2 * 24 * CONFIG["d_model"] * 8
