@@ -1,13 +1,9 @@
-"""How a failed command ends: one line saying what to change and an exit status, not a traceback.
+"""How a failed command ends: one ``error: ...`` line on stderr saying what to change, and an exit status.
 
-``InputError`` is input the user can fix (its message names the flag or key, the value and what to change);
-``RunError`` a run that stopped for a reason its message explains (non-finite training, CUDA out of memory). A file
-that cannot be written (disk full, a read-only or missing folder) is named with the free space of its filesystem.
-``reported_errors()`` turns these into one ``error: ...`` line on stderr; any other exception is a bug and keeps
-its traceback. ``--debug`` (or ``LM_SYSTEMS_DEBUG=1``) keeps the traceback of every error.
-
-Exit statuses: 2 bad input (as for a mistyped flag), 1 a stopped run or an unwritable file, 130 Ctrl-C,
-143 SIGTERM (after ``crash.ckpt``).
+``InputError``: input the user can fix; ``RunError``: a run that stopped for a reason its message explains; a file
+that cannot be written is named with its filesystem's free space. Any other exception is a bug and keeps its
+traceback; ``--debug`` (or ``LM_SYSTEMS_DEBUG=1``) keeps every one. Exit statuses: 2 bad input (as for a mistyped
+flag), 1 a stopped run or an unwritable file, 130 Ctrl-C, 143 SIGTERM (after ``crash.ckpt``).
 """
 
 from __future__ import annotations
@@ -23,17 +19,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 DEBUG_ENV = "LM_SYSTEMS_DEBUG"
-WRITE_ERRNOS = {
-    errno.ENOSPC,
-    errno.EDQUOT,
-    errno.EFBIG,
-    errno.EACCES,
-    errno.EPERM,
-    errno.EROFS,
-    errno.ENOTDIR,
-    errno.EEXIST,
-    errno.EISDIR,
-}
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+WRITE_ERRNOS = {*FULL_ERRNOS, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
 """An OSError with one of these, raised while writing, is the environment's problem: named in one line."""
 
 
@@ -88,7 +75,7 @@ def free_space(path: str | Path) -> str:
 
 def write_error_message(error: OSError) -> str:
     where = f"{str(error.filename)!r}" if error.filename else "a file"
-    full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    full = error.errno in FULL_ERRNOS
     return (
         f"cannot write {where}: {error.strerror or error} ({free_space(error.filename or '.')} on its filesystem); "
         f"{'free some space or ' if full else ''}write elsewhere: --trainer.default_root_dir for logs and "
