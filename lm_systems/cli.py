@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -10,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from jsonargparse import set_parsing_settings
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -42,14 +44,15 @@ from lm_systems.run_callbacks.summary import RunSummary
 
 SHORT_FLAGS: dict[str, tuple[type, str]] = {
     "strategy": (Optional[str], "ddp, naive_ddp, overlap_ddp, bucketed_ddp, zero1, zero3 (each also *_spawn), auto, …"),
-    "precision": (Optional[str], "32-true, bf16-mixed, 16-mixed, bf16-true, …"),
+    "precision": (inspect.signature(Trainer).parameters["precision"].annotation, "32-true, bf16-mixed, bf16-true, …"),
     "accelerator": (Optional[str], "cpu, gpu, auto"),
     "devices": (Optional[Union[int, str]], "processes per node: a count, 'auto', or a list such as '0,1'"),
     "num_nodes": (Optional[int], "number of machines"),
     "max_steps": (Optional[int], "optimizer steps to train for"),
     "accumulate_grad_batches": (Optional[int], "micro-batches per optimizer step"),
 }
-"""``--strategy X`` is short for ``--trainer.strategy X``; the short form wins when both are given."""
+"""``--strategy X`` is short for ``--trainer.strategy X``; the short form wins when both are given. A typed one is
+jsonargparse's to check (precision: the Trainer's own Literal type); names are checked at the door."""
 
 TRAINER_DEFAULTS = {
     "max_steps": 300,

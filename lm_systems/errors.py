@@ -8,9 +8,11 @@ flag), 1 a stopped run or an unwritable file, 130 Ctrl-C, 143 SIGTERM (after ``c
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import os
+import re
 import shutil
 import signal
 import sys
@@ -84,17 +86,28 @@ def write_error_message(error: OSError) -> str:
 
 
 def one_line(text: str) -> str:
-    """``text`` as one line. jsonargparse's dump of a value no Union subtype took (type, value and every subtype's
-    error) keeps the errors that explain: not "Expected a <class 'str'>" for a strategy given as a class."""
+    """``text`` as one line. Of jsonargparse's dump of a value no Union subtype took (type, value and every subtype's
+    error) the errors that explain are kept: not "Expected a <class 'str'>" for a strategy given as a class. A value
+    outside a Literal's choices reads ``--key 'value' is not one of: a, b``."""
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    given = next((line.split(": ", 1)[1] for line in lines if line.startswith("Given value: ")), None)
     if any(line.startswith("Does not validate against any of the Union subtypes") for line in lines):
         errors = [line[2:] for line in lines if line.startswith("- ")]
         telling = [error for error in errors if not error.startswith(_UNTELLING)]
         lines = [line for line in lines if line.startswith("Parser key")] + (telling or errors)
+    expected = lines[1:]
+    if len(expected) == 1 and ". Got value: " in expected[0]:
+        expected[0], given = expected[0].split(". Got value: ", 1)
+    choices = [_LITERAL.fullmatch(error) for error in expected]
+    if choices and all(choices) and given is not None and lines[0].startswith('Parser key "'):
+        key = lines[0].split('"')[1]
+        names = [str(name) for match in choices for name in ast.literal_eval(f"[{match.group(1)}]")]
+        return f"--{key} {given!r} is not one of: {', '.join(names)}"
     return " ".join(lines)
 
 
 _UNTELLING = ("Expected a <class", "Expected a dot import path", "Not a valid subclass", "Import path")
+_LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]")
 
 
 def _exit(message: str, status: int, error: BaseException) -> None:

@@ -21,7 +21,6 @@ import yaml
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lm_systems.attention.registry import attention_device_problem
-from lm_systems.compat.lightning import precision_names
 from lm_systems.data.datamodule import LMDataModule
 from lm_systems.errors import InputError
 from lm_systems.model.config import ModelConfig
@@ -63,7 +62,7 @@ def check_config_files(args: Sequence[str]) -> None:
 
 
 def check_trainer_choices(trainer: Any, ours: Sequence[str] = (), short_flags: Sequence[str] = ()) -> None:
-    """Strategy, precision and accelerator names, checked like a typed flag: an unknown one lists the valid ones
+    """Strategy and accelerator names, checked like a typed flag: an unknown one lists the valid ones
     (``ours``, the strategy names the entry point registered, first); then the device count and the intervals.
     An object from a YAML config is Lightning's to check."""
     from lightning.pytorch.accelerators import AcceleratorRegistry
@@ -71,7 +70,6 @@ def check_trainer_choices(trainer: Any, ours: Sequence[str] = (), short_flags: S
 
     choices = {
         "strategy": ["auto", *ours, *(name for name in StrategyRegistry.available_strategies() if name not in ours)],
-        "precision": precision_names(),
         "accelerator": ["auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators())],
     }
     for name, valid in choices.items():
