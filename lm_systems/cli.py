@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from jsonargparse import set_parsing_settings
@@ -19,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lm_systems.compat.lightning import CommandLineOverCheckpointCLI
 from lm_systems.data.datamodule import LMDataModule
-from lm_systems.errors import DEBUG_ENV, InputError, one_line, reported_errors, request_debug
+from lm_systems.errors import InputError, one_line, reported_errors, request_debug
 from lm_systems.files.checkpoint_io import NEWEST, SafeCheckpointIO, require_checkpoint_file
 from lm_systems.lit_module import LitLM
 from lm_systems.model.config import MODEL_SIZES, ModelConfig
@@ -76,30 +77,21 @@ CKPT_PATH_HELP = (
     "here win, except the model's shape. A checkpoint already at --max_steps is refused: raise it to train on."
 )
 
-RUN_FLAGS = (
-    (
-        "checkpointing_interval",
-        int,
-        0,
-        "> 0: a step=N.ckpt every N optimizer steps; <= 0: only at the end (the final step is always saved; last.ckpt "
-        "links the newest). A ModelCheckpoint of your own in trainer.callbacks replaces this.",
-    ),
-    (
-        "resume_into_run",
-        bool,
-        False,
-        "with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version",
-    ),
-    (
-        "cpu_step_limit_s",
-        float,
-        600,
-        "on a CPU, refuse a model whose step is estimated to take longer than this many seconds (from its parameters "
-        "and tokens a step); 0: no limit",
-    ),
-    ("debug", bool, False, f"on an error, show the whole traceback instead of one line (also {DEBUG_ENV}=1)"),
-)
-"""The run's own flags beside LitLM's, the data's and the trainer's: name, type, default, help."""
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The run's own flags, beside the model's, the data's and the trainer's."""
+
+    checkpointing_interval: int = 0
+    """> 0: a step=N.ckpt every N optimizer steps; <= 0: only at the end (the final step is always saved; last.ckpt
+    links the newest). A ModelCheckpoint of your own in trainer.callbacks replaces this."""
+    resume_into_run: bool = False
+    """with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version"""
+    cpu_step_limit_s: float = 600
+    """on a CPU, refuse a model whose step is estimated to take longer than this many seconds (from its parameters and
+    tokens a step); 0: no limit"""
+    debug: bool = False
+    """on an error, show the whole traceback instead of one line (also LM_SYSTEMS_DEBUG=1)"""
 
 
 def _data_context_length(size: str, context_length: Optional[int]) -> int:
@@ -157,8 +149,7 @@ class LMCLI(CommandLineOverCheckpointCLI):
         group = parser.add_argument_group("Short forms of common --trainer.* flags")
         for name, (kind, help_text) in SHORT_FLAGS.items():
             group.add_argument(f"--{name}", type=kind, default=None, help=f"{help_text} (--trainer.{name})")
-        for name, kind, default, help_text in RUN_FLAGS:
-            parser.add_argument(f"--{name}", type=kind, default=default, help=help_text)
+        parser.add_class_arguments(RunOptions, nested_key=None, instantiate=False)
         # The data windows are as long as the model's context.
         parser.link_arguments(
             ("model.size", "model.context_length"), "data.context_length", compute_fn=_data_context_length
