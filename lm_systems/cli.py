@@ -129,10 +129,9 @@ class LMArgumentParser(LightningArgumentParser):
 
 class LMCLI(CommandLineOverCheckpointCLI):
     """LightningCLI with short trainer flags, step checkpoints, run folders and checks at the door; a ``--ckpt_path``'s
-    saved settings go *under* the command line (:mod:`lm_systems.run.resume`). What the entry point hands in:
-    ``strategy_names`` it registered (an unknown ``--strategy`` lists them first), ``callbacks`` making those every run
-    gets (each unless the configuration brings one of its type), ``progress_bar`` making the bar for a refresh rate
-    in batches (None: Lightning's)."""
+    saved settings go *under* the command line (:mod:`lm_systems.run.resume`). The entry point hands in the
+    ``strategy_names`` it registered, makers of the ``callbacks`` every run gets (unless the configuration brings one
+    of the type) and of the ``progress_bar`` for a refresh rate in batches (None: Lightning's)."""
 
     def __init__(
         self,

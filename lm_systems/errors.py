@@ -48,11 +48,8 @@ def request_debug() -> None:
 
 
 def os_error_in(error: BaseException) -> Optional[OSError]:
-    """The first OSError in ``error``'s chain (itself, its cause or the exception it interrupted), if any.
-
-    torch.save on a full disk raises a RuntimeError ("enforce fail at inline_container.cc") while handling the
-    OSError that says why.
-    """
+    """The first OSError in ``error``'s chain (itself, its cause or the exception it interrupted), if any: torch.save
+    on a full disk raises a RuntimeError ("enforce fail at inline_container.cc") handling the one that says why."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, OSError):

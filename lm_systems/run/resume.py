@@ -71,10 +71,8 @@ class SavedSettings:
         self.settings = {**self.run_settings, **{f"model.{k}": v for k, v in self.hparams.items()}}
 
     def under(self, parser: Any, args: Any, config: Namespace) -> Namespace:
-        """``config`` parsed again from ``args`` over the checkpoint's settings (see the module doc).
-
-        Raises ValueError naming the flag and both values when a typed setting would change the model's shape.
-        """
+        """``config`` parsed again from ``args`` over the checkpoint's settings; a typed setting that would change the
+        model's shape is refused, naming the flag and both values."""
         if not self.settings:
             return config
         subcommand = config.get("subcommand")
