@@ -22,16 +22,12 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> Any:
     from callbacks import every_run_callbacks
     from callbacks.progress import steps_progress_bar
     from lm_systems.cli import main as train
-    from lm_systems.run.cli_parts import CLIParts
     from strategies import REGISTERED_NAMES  # importing the package registers the names
 
     # Module-level functions only: a spawned launch pickles them with the trainer.
-    parts = CLIParts(
-        strategy_names=REGISTERED_NAMES,
-        callbacks=every_run_callbacks,
-        progress_bar=steps_progress_bar,
+    return train(
+        args, run=run, strategy_names=REGISTERED_NAMES, callbacks=every_run_callbacks, progress_bar=steps_progress_bar
     )
-    return train(args, run=run, parts=parts)
 
 
 if __name__ == "__main__":

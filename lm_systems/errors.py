@@ -1,20 +1,18 @@
-"""How a failed command ends: one line saying what to change and an exit status, not a traceback.
+"""How a failed command ends: one ``error: ...`` line on stderr saying what to change, and an exit status.
 
-``InputError`` is input the user can fix (its message names the flag or key, the value and what to change);
-``RunError`` a run that stopped for a reason its message explains (non-finite training, CUDA out of memory). A file
-that cannot be written (disk full, a read-only or missing folder) is named with the free space of its filesystem.
-``reported_errors()`` turns these into one ``error: ...`` line on stderr; any other exception is a bug and keeps
-its traceback. ``--debug`` (or ``LM_SYSTEMS_DEBUG=1``) keeps the traceback of every error.
-
-Exit statuses: 2 bad input (as for a mistyped flag), 1 a stopped run or an unwritable file, 130 Ctrl-C,
-143 SIGTERM (after ``crash.ckpt``).
+``InputError``: input the user can fix; ``RunError``: a run that stopped for a reason its message explains; a file
+that cannot be written is named with its filesystem's free space. Any other exception is a bug and keeps its
+traceback; ``--debug`` (or ``LM_SYSTEMS_DEBUG=1``) keeps every one. Exit statuses: 2 bad input (as for a mistyped
+flag), 1 a stopped run or an unwritable file, 130 Ctrl-C, 143 SIGTERM (after ``crash.ckpt``).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import os
+import re
 import shutil
 import signal
 import sys
@@ -23,17 +21,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 DEBUG_ENV = "LM_SYSTEMS_DEBUG"
-WRITE_ERRNOS = {
-    errno.ENOSPC,
-    errno.EDQUOT,
-    errno.EFBIG,
-    errno.EACCES,
-    errno.EPERM,
-    errno.EROFS,
-    errno.ENOTDIR,
-    errno.EEXIST,
-    errno.EISDIR,
-}
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+WRITE_ERRNOS = {*FULL_ERRNOS, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
 """An OSError with one of these, raised while writing, is the environment's problem: named in one line."""
 
 
@@ -59,11 +48,8 @@ def request_debug() -> None:
 
 
 def os_error_in(error: BaseException) -> Optional[OSError]:
-    """The first OSError in ``error``'s chain (itself, its cause or the exception it interrupted), if any.
-
-    torch.save on a full disk raises a RuntimeError ("enforce fail at inline_container.cc") while handling the
-    OSError that says why.
-    """
+    """The first OSError in ``error``'s chain (itself, its cause or the exception it interrupted), if any: torch.save
+    on a full disk raises a RuntimeError ("enforce fail at inline_container.cc") handling the one that says why."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, OSError):
@@ -88,7 +74,7 @@ def free_space(path: str | Path) -> str:
 
 def write_error_message(error: OSError) -> str:
     where = f"{str(error.filename)!r}" if error.filename else "a file"
-    full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    full = error.errno in FULL_ERRNOS
     return (
         f"cannot write {where}: {error.strerror or error} ({free_space(error.filename or '.')} on its filesystem); "
         f"{'free some space or ' if full else ''}write elsewhere: --trainer.default_root_dir for logs and "
@@ -97,17 +83,28 @@ def write_error_message(error: OSError) -> str:
 
 
 def one_line(text: str) -> str:
-    """``text`` as one line. jsonargparse's dump of a value no Union subtype took (type, value and every subtype's
-    error) keeps the errors that explain: not "Expected a <class 'str'>" for a strategy given as a class."""
+    """``text`` as one line. Of jsonargparse's dump of a value no Union subtype took (type, value and every subtype's
+    error) the errors that explain are kept: not "Expected a <class 'str'>" for a strategy given as a class. A value
+    outside a Literal's choices reads ``--key 'value' is not one of: a, b``."""
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    given = next((line.split(": ", 1)[1] for line in lines if line.startswith("Given value: ")), None)
     if any(line.startswith("Does not validate against any of the Union subtypes") for line in lines):
         errors = [line[2:] for line in lines if line.startswith("- ")]
         telling = [error for error in errors if not error.startswith(_UNTELLING)]
         lines = [line for line in lines if line.startswith("Parser key")] + (telling or errors)
+    expected = lines[1:]
+    if len(expected) == 1 and ". Got value: " in expected[0]:
+        expected[0], given = expected[0].split(". Got value: ", 1)
+    choices = [_LITERAL.fullmatch(error) for error in expected]
+    if choices and all(choices) and given is not None and lines[0].startswith('Parser key "'):
+        key = lines[0].split('"')[1]
+        names = [str(name) for match in choices for name in ast.literal_eval(f"[{match.group(1)}]")]
+        return f"--{key} {given!r} is not one of: {', '.join(names)}"
     return " ".join(lines)
 
 
 _UNTELLING = ("Expected a <class", "Expected a dot import path", "Not a valid subclass", "Import path")
+_LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]")
 
 
 def _exit(message: str, status: int, error: BaseException) -> None:

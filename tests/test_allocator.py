@@ -31,6 +31,6 @@ def test_train_py_sets_it_before_building_the_run(monkeypatch):
         monkeypatch.delenv(name)
     monkeypatch.setattr("torch.version.cuda", "12.8")
     seen = {}
-    monkeypatch.setattr("lm_systems.cli.main", lambda args, run, parts: seen.update(os.environ))
+    monkeypatch.setattr("lm_systems.cli.main", lambda args, run, **parts: seen.update(os.environ))
     train.main([])
     assert seen["PYTORCH_CUDA_ALLOC_CONF"] == EXPANDABLE_SEGMENTS

@@ -213,7 +213,7 @@ def test_train_py_keeps_the_configured_callbacks(monkeypatch):
 
 
 def test_the_cli_lists_the_strategy_names_handed_in_first():
-    from lm_systems.cli import check_trainer_choices
+    from lm_systems.run.door_checks import check_trainer_choices
 
     with pytest.raises(ValueError) as error:
         check_trainer_choices({"strategy": "nope", "devices": 1}, ours=("ddp_spawn",))

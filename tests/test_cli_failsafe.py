@@ -78,7 +78,9 @@ def test_ckpt_path_is_checked_before_lightning_reads_it(tmp_path, usage_error, d
 @pytest.mark.parametrize(
     "args, names",
     [
-        (["--precision", "8-bit"], ["--precision", "bf16-mixed", "16-mixed", "32-true"]),
+        (["--precision", "8-bit"], ["--precision '8-bit' is not one of: ", "bf16-mixed", "16-mixed", "32-true"]),
+        (["--trainer.precision", "8-bit"], ["--trainer.precision '8-bit' is not one of: ", "bf16-mixed"]),
+        (["--model.activation_checkpointing", "all"], ["--model.activation_checkpointing 'all' is not one of: none"]),
         (["--strategy", "nonsense"], ["--strategy", "naive_ddp", "overlap_ddp", "bucketed_ddp", "zero1", "ddp"]),
         (["--trainer.strategy", "nonsense"], ["--trainer.strategy", "zero1"]),
         (["--accelerator", "abacus"], ["--accelerator", "cpu", "gpu", "auto"]),
@@ -96,7 +98,7 @@ def test_the_user_sees_no_traceback(tmp_path, train_py):
     err = run.stderr
     assert run.returncode == 2
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 3, err
-    assert "--precision (--trainer.precision) '8-bit' is not one of: " in err
+    assert "--precision '8-bit' is not one of: " in err
 
 
 # -- SIGTERM, warnings ------------------------------------------------------------------------

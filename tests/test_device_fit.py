@@ -12,7 +12,7 @@ import torch
 
 from lm_systems.model.config import ModelConfig
 from lm_systems.run.cpu_threads import TORCH_THREADS
-from lm_systems.run.device_fit import CPU_MAX_PARAMETERS
+from lm_systems.run.door_checks import CPU_MAX_PARAMETERS
 from train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def test_the_8b_leaderboard_config_on_a_cpu_is_refused_naming_the_override(tmp_p
 
 def test_the_step_time_limit_can_be_lifted(tmp_path):
     """The refusal's override: the check passes with a limit above the estimate, or none (0); small still warns."""
-    from lm_systems.run.device_fit import check_model_fits_device
+    from lm_systems.run.door_checks import check_model_fits_device
 
     small = main(["-c", str(REPO / "configs" / "small.yaml"), "--accelerator", "cpu"], run=False).config
     check_model_fits_device(small.model, "cpu", tokens_per_step=32_768 * 8, cpu_step_limit_s=0)

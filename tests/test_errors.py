@@ -8,11 +8,13 @@ import errno
 import re
 import resource
 import signal
+from typing import Literal, Optional, Union
 
 import pytest
+from jsonargparse import ArgumentError, ArgumentParser
 
 from lm_systems.data.datamodule import LMDataModule
-from lm_systems.errors import DEBUG_ENV, InputError, os_error_in, write_error_message
+from lm_systems.errors import DEBUG_ENV, InputError, one_line, os_error_in, write_error_message
 from train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
@@ -187,6 +189,26 @@ def test_the_os_error_behind_a_runtime_error_is_found(tmp_path):
         assert os_error_in(error).errno == errno.ENOSPC
     message = write_error_message(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.ckpt")))
     assert f"cannot write '{tmp_path / 'x.ckpt'}': No space left on device (" in message and "B free" in message
+
+
+@pytest.mark.parametrize(
+    "kind, value, says",
+    [
+        (Literal["none", "blocks"], "all", "--key 'all' is not one of: none, blocks"),
+        (Optional[Union[Literal[16, 32], Literal["bf16-mixed"]]], "8-bit", "--key '8-bit' is not one of: bf16-mixed"),
+        (Union[Literal["a"], int], "b", "--key 'b' is not one of: a"),  # an int is "Expected a <class 'int'>"
+        (bool, "maybe", "Parser key \"key\": Expected a <class 'bool'>. Got value: maybe"),
+        (Optional[int], "x", "Parser key \"key\": Expected a <class 'int'> Expected a <class 'NoneType'>"),
+    ],
+)
+def test_jsonargparse_errors_are_one_line_and_a_bad_choice_lists_the_choices(kind, value, says):
+    """jsonargparse's own error dumps, as a parser of it raises them: a Literal's choices (a Union's too, its
+    type errors dropped) read as ``--key 'value' is not one of: ...``; any other error keeps jsonargparse's words."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--key", type=kind)
+    with pytest.raises(ArgumentError) as error:
+        parser.parse_args(["--key", value])
+    assert one_line(str(error.value)) == says
 
 
 @pytest.fixture

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import threading
-import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
-from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
@@ -60,12 +58,6 @@ def compute_dtype(trainer: Trainer) -> torch.dtype:
     """The dtype the trainer's precision plugin computes in (bf16 under ``bf16-mixed``), as ThroughputMonitor reads
     it."""
     return _plugin_to_compute_dtype(trainer.precision_plugin)
-
-
-def precision_names() -> list[str]:
-    """Every ``precision`` value the Trainer accepts ("32-true", "bf16-mixed", 16, ...), as text: the literal type
-    Lightning checks them against."""
-    return [str(value) for literal in typing.get_args(_PRECISION_INPUT) for value in typing.get_args(literal)]
 
 
 def is_local_path(path: Union[str, Path]) -> bool:

@@ -1,11 +1,9 @@
 """``python train.py --help`` without importing Lightning: the help text, cached per source tree and environment.
 
-Building LightningCLI's parser needs Lightning, and importing Lightning (which imports torch, torch._dynamo and
-torchmetrics) takes most of the time ``--help`` takes. The help depends only on the project's sources, the
-installed versions of the libraries that build it and the terminal width, so after one slow ``--help`` the
-text is printed from a cache keyed by all of those. Any change to a source file, a version or the width makes
-a new key. The cache lives in ``$XDG_CACHE_HOME/lm_systems/help`` (``~/.cache`` by default); deleting it is
-always safe.
+Importing Lightning (torch, torch._dynamo, torchmetrics) takes most of the time ``--help`` takes, and the text depends
+only on the project's sources, the versions of the libraries that render it and the terminal width: after one slow
+``--help`` it is printed from ``$XDG_CACHE_HOME/lm_systems/help`` (``~/.cache`` by default; always safe to delete),
+keyed by all of those.
 """
 
 from __future__ import annotations
@@ -61,8 +59,7 @@ def cache_dir() -> Path:
 
 
 def run_with_help_cache(args: Sequence[str], main: Callable[[], object]) -> None:
-    """Run ``main`` (which parses ``sys.argv``); a help request is answered from the cache when it can be,
-    and its text stored for the next time when it cannot."""
+    """Run ``main`` (which parses ``sys.argv``); a help request is answered from the cache, else stored there."""
     if not is_help_request(args):
         main()
         return
@@ -83,8 +80,7 @@ def run_with_help_cache(args: Sequence[str], main: Callable[[], object]) -> None
 
 
 def _store(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically; a cache that cannot be written is only a slower next ``--help``."""
-    try:
+    try:  # a cache that cannot be written is only a slower next --help
         with atomic_write_path(path) as partial:
             partial.write_text(text, encoding="utf-8")
     except OSError:

@@ -1,25 +1,17 @@
 """Resuming continues the run, with what was typed: the checkpoint's settings under the command line, never over it.
 
-LightningCLI parses a checkpoint's model hyperparameters over the command line, so a resumed run silently
-dropped every ``--model.*`` flag; and it knows nothing of the run's other settings, so ``--ckpt_path X`` alone
-resumed a two-process zero3 run as one process of the default strategy. Here the layers are, later winning: the
-parser's defaults, the checkpoint's model hyperparameters and the run's other settings (``RunConfigRecord``
-stores them in each checkpoint: strategy, devices, max_steps, the data's, ...), then config files and flags.
-Settings left untyped continue as the run had them; typed ones take effect: the learning rate and schedule, the
-non-finite policy, the closing sample; the trainer's and the data's (clipping, max_steps, logging, the batch
-size: the data position is a count of batches whose windows are drawn at random, so any batch size continues
-it). Objects that are not plain values (callbacks, a logger's settings) are the command line's. What fixes the model's
-shape (``SHAPE_KEYS``) must match: a typed value that changes it is refused, naming both. The tokenizer is
-compared once the data is ready (``LitLM.on_load_checkpoint``). The log lists every setting that changed since
-the checkpoint was written (``RunConfigRecord`` stores the run's settings in each checkpoint). A resumed run trains
-with its own optimizer settings, not the checkpoint's (``ThisRunsOptimizerSettings``). These callbacks are in
-:mod:`lm_systems.run_callbacks.resume_settings`.
+LightningCLI parses a checkpoint's model hyperparameters over the command line (every typed ``--model.*`` was
+dropped), and knows nothing of the run's other settings (``--ckpt_path X`` alone resumed a two-process zero3 run as
+one process). Here the layers are, later winning: the parser's defaults, the checkpoint's model hyperparameters and
+the run's other settings (``RunConfigRecord`` stores them in each checkpoint), then config files and flags. Objects
+that are not plain values (callbacks, a logger's settings) are the command line's. What fixes the model's shape
+(``SHAPE_KEYS``) must match; the tokenizer is compared once the data is ready (``LitLM.on_load_checkpoint``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from jsonargparse import Namespace
@@ -27,35 +19,35 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lm_systems.errors import InputError
 from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_meta
-from lm_systems.files.checkpoint_io import newest_run_checkpoint
+from lm_systems.files.checkpoint_io import NEWEST, newest_run_checkpoint
 from lm_systems.files.checkpointing import CRASH_CHECKPOINT
 from lm_systems.model.config import ModelConfig
 from lm_systems.training.nonfinite import weights_are_finite
 
 SHAPE_KEYS = ("size", "vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta")
-"""LitLM arguments that fix the model's shape: a resumed run keeps the checkpoint's."""
-CRASH_CHECKPOINTS = f"logs/*/version_*/checkpoints/{CRASH_CHECKPOINT}"
-"""Where a stopped run's ``crash.ckpt`` lies, relative to the folder train.py ran in (or its default_root_dir)."""
+CRASH_CHECKPOINTS = f"logs/*/version_*/checkpoints/{CRASH_CHECKPOINT}"  # under the working or default_root_dir
 RUN_CONFIG_KEY = "run_config"
 """Checkpoint entry holding the run's flat settings (model ones aside: ``hyper_parameters`` has those, resolved)."""
-_NOT_SETTINGS = ("ckpt_path", "config", "resume_into_run", "debug", "trainer.logger.")
-"""Keys that name this invocation, not what it trains, left out of the comparison."""
-_DERIVED = ("data.context_length",)
-"""Settings the parser derives from others (linked arguments): never layered, they follow their sources."""
+_NOT_SETTINGS = ("ckpt_path", "config", "resume_into_run", "debug", "trainer.logger.")  # this invocation, not the run
+_DERIVED = ("data.context_length",)  # linked arguments: never layered, they follow their sources
 
 
-def checkpoint_to_resume(root: str | Path) -> Path:
-    """``--ckpt_path last``: the newest checkpoint among the runs under ``root``, their ``last.ckpt`` and the
-    ``crash.ckpt`` a stopped run names (a run stopped before its first ``step=N.ckpt`` has no ``last.ckpt``);
-    an error naming the flag if there is none."""
-    crashes = [path for path in Path(root).glob(CRASH_CHECKPOINTS) if path.exists()]
+def resolved_ckpt_path(ckpt_path: Optional[str], root: Optional[str]) -> Optional[str]:
+    """``--ckpt_path``, with ``last`` read as the newest checkpoint among the runs under ``root`` (else the working
+    folder): their ``last.ckpt`` or the ``crash.ckpt`` a stopped run names (one stopped before its first
+    ``step=N.ckpt`` has no ``last.ckpt``); an error naming the flag if there is none."""
+    if ckpt_path != NEWEST:
+        return ckpt_path
+    crashes = [path for path in Path(root or ".").glob(CRASH_CHECKPOINTS) if path.exists()]
     try:
-        lasts = [newest_run_checkpoint(root, "--ckpt_path")]
+        lasts = [newest_run_checkpoint(root or ".", "--ckpt_path")]
     except FileNotFoundError:
         if not crashes:
             raise
         lasts = []
-    return max([*lasts, *crashes], key=lambda path: path.stat().st_mtime)
+    newest = str(max([*lasts, *crashes], key=lambda path: path.stat().st_mtime))
+    rank_zero_info(f"--ckpt_path {NEWEST}: resuming from {newest}")
+    return newest
 
 
 class SavedSettings:
@@ -79,10 +71,8 @@ class SavedSettings:
         self.settings = {**self.run_settings, **{f"model.{k}": v for k, v in self.hparams.items()}}
 
     def under(self, parser: Any, args: Any, config: Namespace) -> Namespace:
-        """``config`` parsed again from ``args`` over the checkpoint's settings (see the module doc).
-
-        Raises ValueError naming the flag and both values when a typed setting would change the model's shape.
-        """
+        """``config`` parsed again from ``args`` over the checkpoint's settings; a typed setting that would change the
+        model's shape is refused, naming the flag and both values."""
         if not self.settings:
             return config
         subcommand = config.get("subcommand")

@@ -93,12 +93,6 @@ def test_compute_dtype_is_the_precision_plugins():
     assert compat.compute_dtype(L.Trainer(accelerator="cpu", precision="32-true", logger=False)) == torch.float32
 
 
-def test_precision_names_are_the_trainers():
-    names = compat.precision_names()
-    assert {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true", "32"} <= set(names), broken("_PRECISION_INPUT")
-    assert "bf16-turbo" not in names
-
-
 def test_is_local_path_tells_local_from_remote(tmp_path):
     assert compat.is_local_path(tmp_path) and compat.is_local_path("relative/file.ckpt"), broken(
         "_is_local_file_protocol"

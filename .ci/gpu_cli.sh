@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 60 item 5's command line on one CUDA GPU (torch 2.11, lightning 2.6; each stage fits one 10-minute call):
+#   door        the command line as a user types it: --help, a bad --precision and --trainer.precision (exit 2, one
+#               line "--precision '8-bit' is not one of: ..."), a bad --strategy (exit 2, the names), flash_triton
+#               with --accelerator cpu (exit 2), and a 3-step tiny run in bf16-mixed on the GPU (exit 0, its summary)
+#   strategies  tests/test_train_py_gpu.py's 28 runs of every strategy in every precision through train.py
+#   rest        the rest of tests/test_train_py_gpu.py: the default run, compiled, flash_triton, an exact resume,
+#               every shipped config
+#
+#   .ci/gpu_cli.sh door strategies    # one stage or more a call; all three without arguments
+# Writes logs and junit xml under $OUT (./gpu_cli_out without it): door's in a few minutes, each other stage under 10.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_NAME=gpu_cli_out source .ci/gpu_stages.sh  # $OUT; the wheels the GPU image lacks; record_versions; run
+export PYTHONPATH=.
+STAGES=("$@")
+[ $# -eq 0 ] && STAGES=(door strategies rest)
+record_versions
+
+for stage in "${STAGES[@]}"; do
+    case $stage in
+    door)
+        export XDG_CACHE_HOME="$OUT/cache"
+        run help 120 python train.py --help
+        run bad_precision 120 python train.py --precision 8-bit
+        run bad_trainer_precision 120 python train.py --trainer.precision 8-bit
+        run bad_strategy 120 python train.py --strategy nope
+        run triton_on_cpu 120 python train.py --model.attention flash_triton --accelerator cpu
+        run tiny_bf16 300 python train.py --max_steps 3 --model.size tiny --precision bf16-mixed \
+            --trainer.default_root_dir "$OUT/tiny_run" --data.cache_dir "$OUT/cache/data"
+        ;;
+    strategies)
+        run strategies_gpu 590 python -m pytest -q -p no:cacheprovider tests/test_train_py_gpu.py \
+            -k strategy_and_precision --junitxml="$OUT/strategies_gpu.xml"
+        ;;
+    rest)
+        run rest_gpu 590 python -m pytest -q -p no:cacheprovider tests/test_train_py_gpu.py \
+            -k "not strategy_and_precision" --junitxml="$OUT/rest_gpu.xml"
+        ;;
+    *)
+        echo "unknown stage $stage (door, strategies, rest)"; exit 2
+        ;;
+    esac
+done
+rm -rf "$OUT/cache" "$OUT/tiny_run"
+cat "$OUT/summary.txt"
+bundle_if_many "$OUT"
