@@ -29,6 +29,8 @@ class HostSigtermAgreement:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self._group = group
         self._received = False
+        self.agreed = False
+        """Whether ``agree`` has said stop: every rank is then at the same batch boundary."""
         self._flag = torch.zeros(1, dtype=torch.int32)
 
     @classmethod
@@ -45,7 +47,8 @@ class HostSigtermAgreement:
     def agree(self) -> bool:
         self._flag.fill_(int(self._received))
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(self._flag.item())
+        self.agreed = bool(self._flag.item())
+        return self.agreed
 
     def close(self) -> None:
         """Destroy the gloo group and let it go (from ``Strategy.teardown``): the trainer keeps ``agree`` and
@@ -57,7 +60,8 @@ class HostSigtermAgreement:
 class HostSigtermStrategy:
     """Mixin, placed before a Lightning parallel strategy's class: its ranks agree on SIGTERM through a
     :class:`HostSigtermAgreement`, installed by ``setup`` (with more than one process) and closed by ``teardown``;
-    ``timeout`` (the strategy's own) bounds the agreement's collectives too."""
+    ``timeout`` (the strategy's own) bounds the agreement's collectives too. ``stopped_together`` (the
+    ``StoppedTogether`` offer) lets the crash checkpoint save from every rank once they have agreed."""
 
     def __init__(self, timeout: Optional[timedelta] = default_pg_timeout, **kwargs: Any) -> None:
         super().__init__(timeout=timeout, **kwargs)
@@ -68,6 +72,9 @@ class HostSigtermStrategy:
         super().setup(trainer)
         if self.world_size > 1 and self._sigterm is None:
             self._sigterm = HostSigtermAgreement.install(trainer, self._sigterm_timeout)
+
+    def stopped_together(self) -> bool:
+        return self._sigterm is not None and self._sigterm.agreed
 
     def teardown(self) -> None:
         if self._sigterm is not None:

@@ -17,7 +17,8 @@ from lm_systems.files.checkpoint_io import read_checkpoint
 def sigterm_after_first_checkpoint(train_py, run_dir: Path, *args: str) -> None:
     """Start the run with ``args`` (checkpointing every step, no step limit that it could reach), send it SIGTERM once
     step=1.ckpt is written, and assert that it exits 143, that rank 1 ends too (no rank left waiting in a
-    collective) and that last.ckpt holds a step the run reached."""
+    collective), that last.ckpt holds a step the run reached and that the ranks saved crash.ckpt together, at the step
+    they stopped at (none older than last.ckpt's), naming it to resume from."""
     with train_py.start(*args, "--max_steps", "100000", "--checkpointing_interval", "1", cwd=run_dir) as run:
         deadline = time.monotonic() + 240
         while not list(run_dir.rglob("step=1.ckpt")):
@@ -33,7 +34,12 @@ def sigterm_after_first_checkpoint(train_py, run_dir: Path, *args: str) -> None:
             assert time.monotonic() < deadline, f"rank 1 (pid {ranks[0]}) still running after rank 0 exited"
             time.sleep(0.2)
     (last,) = run_dir.rglob("last.ckpt")
-    assert 1 <= read_checkpoint(last)["global_step"] < 100000
+    last_step = read_checkpoint(last)["global_step"]
+    assert 1 <= last_step < 100000
+    (crash,) = run_dir.rglob("crash.ckpt")
+    assert read_checkpoint(crash)["global_step"] >= last_step
+    named = [line for line in err.splitlines() if "resume with --ckpt_path" in line]
+    assert named and (run_dir / named[-1].split("--ckpt_path ")[1]).resolve() == crash.resolve(), err[-3000:]
 
 
 FAILURES = {

@@ -15,12 +15,14 @@ from typing import Any, Optional, Union
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lm_systems.compat.lightning import LinkingModelCheckpoint
 from lm_systems.errors import WRITE_ERRNOS, RunError, os_error_in
 from lm_systems.files.atomic_files import link_atomically, remove_abandoned_temporaries
 from lm_systems.files.checkpointing import CRASH_CHECKPOINT, PublishedCheckpoints
+from lm_systems.training.strategy_offers import StoppedTogether
 
 
 class StepCheckpoint(LinkingModelCheckpoint):
@@ -77,15 +79,15 @@ class StepCheckpoint(LinkingModelCheckpoint):
 
 
 class CrashCheckpoint(Checkpoint):
-    """Writes ``crash.ckpt`` beside the run's other checkpoints when a single-process fit stops on an exception.
+    """Writes ``crash.ckpt`` beside the run's other checkpoints when a fit stops on an exception: in a single-process
+    run on any, in a run of several processes on a SIGTERM its ranks agreed on (``StoppedTogether``: every rank then
+    stops at the same batch, so the save's collectives meet; after any other exception a rank may be gone).
 
     Lightning's OnExceptionCheckpoint needs its folder before the run has one, and its presence makes
     every ``fit`` without ``ckpt_path`` look for a checkpoint to resume (with two warnings). Skipped
     before the first step, after a RunError that leaves no whole weights (non-finite training, out of memory in the
-    optimizer's step) or a failed write (a full disk,
-    an unwritable folder: a save would fail too), and in distributed runs,
-    where the save's collectives would wait on ranks that may be gone. A failure to save is a warning:
-    the exception that stopped the run is the one to surface. A fit that finishes removes an older
+    optimizer's step) or a failed write (a full disk, an unwritable folder: a save would fail too). A failure to save
+    is a warning: the exception that stopped the run is the one to surface. A fit that finishes removes an older
     ``crash.ckpt`` from its folder (the one it resumed from).
     """
 
@@ -93,7 +95,9 @@ class CrashCheckpoint(Checkpoint):
 
     @override
     def on_exception(self, trainer: "L.Trainer", pl_module: "L.LightningModule", exception: BaseException) -> None:
-        if trainer.world_size > 1 or trainer.global_step == 0:
+        if trainer.global_step == 0:
+            return
+        if trainer.world_size > 1 and not _stopped_together(trainer, exception):
             return
         if isinstance(exception, RunError) and exception.resume_advice is None:  # weights not whole, or not finite
             return
@@ -120,3 +124,12 @@ class CrashCheckpoint(Checkpoint):
     def _path(trainer: "L.Trainer") -> Optional[str]:
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
         return os.path.join(dirpath, CrashCheckpoint.FILENAME) if dirpath else None
+
+
+def _stopped_together(trainer: "L.Trainer", exception: BaseException) -> bool:
+    strategy = trainer.strategy
+    return (
+        isinstance(exception, SIGTERMException)
+        and isinstance(strategy, StoppedTogether)
+        and strategy.stopped_together()
+    )

@@ -55,3 +55,12 @@ class ShardingUnits(Protocol):
 
     def sharding_units(self) -> tuple[nn.Module, Sequence[nn.Module]]:
         """The module each step's forward runs, and the submodules inside it to shard one by one (each block)."""
+
+
+@runtime_checkable
+class StoppedTogether(Protocol):
+    """What a crash save of a run of several processes needs of its strategy: that every rank stopped at the same
+    batch, between optimizer steps, so that the save's collectives meet (a SIGTERM the ranks agreed on)."""
+
+    def stopped_together(self) -> bool:
+        """Whether the ranks agreed to stop, each at the same batch boundary."""
