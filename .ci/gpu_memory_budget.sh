@@ -12,17 +12,19 @@
 #                 (about 3 min, its knapsack over the 34 blocks' graph included)
 #
 #   .ci/gpu_memory_budget.sh budget oom     # stages in order, each under its own time limit (both: at most 8 min)
+#   ATTENTION=flash_triton .ci/gpu_memory_budget.sh budget   # the same two policies with our attention
 # Writes each run's log and $OUT/summary.txt (s a step, peak; ./gpu_memory_budget_out without OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_NAME=gpu_memory_budget_out source .ci/gpu_stages.sh  # $OUT; the wheels the GPU image lacks; record_versions; run
 STAGES=("${@:-budget}")
 BUDGET=${BUDGET:-0.9}  # --model.memory_budget of the budget stage's auto run
+ATTENTION=${ATTENTION:-}  # --model.attention of every run (flash_triton: ours); the config's without it
 record_versions
 export PYTHONPATH=.
 
 EIGHT_B=(-c configs/leaderboard_8b.yaml --trainer.devices 1 --trainer.strategy auto --trainer.logger false
-    --trainer.enable_progress_bar false)
+    --trainer.enable_progress_bar false ${ATTENTION:+--model.attention "$ATTENTION"})
 
 step8b() {  # step8b NAME LIMIT STEPS FLAGS...: one train.py run of the 8B; its speed and memory lines to summary.txt
     local name=$1 limit=$2 steps=$3; shift 3
