@@ -10,6 +10,8 @@
 #   torch_budget  torch's own partitioner budget instead: none + torch._functorch.config.activation_memory_budget
 #                 0.35 under torch.compile (the whole model, one GPU), for comparison; a call of its own
 #                 (about 3 min, its knapsack over the 34 blocks' graph included)
+#   xl, 2.7b      configs/<size>.yaml on the one GPU under each fixed policy and auto (the issue's "auto never slower
+#                 than the fastest fixed policy that fits"; about 6-9 min a size: a call each)
 #
 #   .ci/gpu_memory_budget.sh budget oom     # stages in order, each under its own time limit (both: at most 8 min)
 #   ATTENTION=flash_triton .ci/gpu_memory_budget.sh budget   # the same two policies with our attention
@@ -58,8 +60,20 @@ runpy.run_path('train.py', run_name='__main__')
 " "${EIGHT_B[@]}" --trainer.max_steps 4 --model.activation_checkpointing none
         grep -E "speed|memory|^error" "$OUT/torch_budget.log" | sed "s/^/torch_budget: /" | tee -a "$OUT/summary.txt"
         ;;
+    xl | 2.7b)
+        # configs/<size>.yaml as shipped (eager, bf16-mixed, batch 8 x 4 micro-batches) on the one GPU: every fixed
+        # policy, then auto; one that does not fit ends in its one out-of-memory line
+        for policy in none keep_projections selective keep_attention blocks auto; do
+            run "${stage}_$policy" 150 timeout -k 15 130 python train.py -c "configs/$stage.yaml" --trainer.devices 1 \
+                --trainer.max_steps 8 --trainer.logger false --trainer.enable_progress_bar false \
+                --trainer.enable_checkpointing false --trainer.val_check_interval 1000 \
+                --model.activation_checkpointing "$policy"
+            grep -E "activation checkpointing auto|speed|memory|^error" "$OUT/${stage}_$policy.log" \
+                | sed "s/^/${stage}_$policy: /" | tee -a "$OUT/summary.txt"
+        done
+        ;;
     *)
-        echo "unknown stage $stage (budget, oom, torch_budget)"; exit 2
+        echo "unknown stage $stage (budget, oom, torch_budget, xl, 2.7b)"; exit 2
         ;;
     esac
 done
