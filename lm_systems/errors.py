@@ -133,7 +133,8 @@ def reported_errors() -> Iterator[None]:
 
         if isinstance(done, SIGTERMException):
             raise SystemExit(128 + signal.SIGTERM) from done
-        if interrupted and done.code not in (0, None):
+        # Lightning exits 1 on a KeyboardInterrupt: raised by Ctrl-C's handler, or by the ranks' agreement to stop
+        if (interrupted or isinstance(done.__context__, KeyboardInterrupt)) and done.code not in (0, None):
             raise SystemExit(128 + signal.SIGINT) from done
         raise
     except KeyboardInterrupt as stop:

@@ -14,11 +14,11 @@ from lm_systems.files.checkpoint_dir import is_checkpoint_dir
 from lm_systems.files.checkpoint_io import read_checkpoint
 
 
-def sigterm_after_first_checkpoint(train_py, run_dir: Path, *args: str) -> None:
-    """Start the run with ``args`` (checkpointing every step, no step limit that it could reach), send it SIGTERM once
-    step=1.ckpt is written, and assert that it exits 143, that rank 1 ends too (no rank left waiting in a
-    collective), that last.ckpt holds a step the run reached and that the ranks saved crash.ckpt together, at the step
-    they stopped at (none older than last.ckpt's), naming it to resume from."""
+def sigterm_after_first_checkpoint(train_py, run_dir: Path, *args: str, signum: int = signal.SIGTERM) -> None:
+    """Start the run with ``args`` (checkpointing every step, no step limit that it could reach), send it ``signum``
+    (SIGTERM, or SIGINT: Ctrl-C) once step=1.ckpt is written, and assert that it exits 128 + ``signum``, that rank 1
+    ends too (no rank left waiting in a collective), that last.ckpt holds a step the run reached and that the ranks
+    saved crash.ckpt together, at the step they stopped at (none older than last.ckpt's), naming it to resume from."""
     with train_py.start(*args, "--max_steps", "100000", "--checkpointing_interval", "1", cwd=run_dir) as run:
         deadline = time.monotonic() + 240
         while not list(run_dir.rglob("step=1.ckpt")):
@@ -26,9 +26,9 @@ def sigterm_after_first_checkpoint(train_py, run_dir: Path, *args: str) -> None:
             time.sleep(0.2)
         ranks = [child for child in children_of(run.pid) if local_rank(child) == "1"]
         assert len(ranks) == 1, ranks
-        run.send_signal(signal.SIGTERM)
+        run.send_signal(signum)
         _, err = run.communicate(timeout=120)
-        assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
+        assert run.returncode == 128 + signum, err[-3000:]
         deadline = time.monotonic() + 60
         while alive(ranks[0]):
             assert time.monotonic() < deadline, f"rank 1 (pid {ranks[0]}) still running after rank 0 exited"

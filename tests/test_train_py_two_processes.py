@@ -9,7 +9,7 @@ step and validation on (bucketed_ddp also compiled in runs of blocks that share 
   validation losses;
 - the summary rank 0 prints counts every rank's tokens (the records' and a count from the batch shape) and its
   speed and MFU agree with them and with the model's FLOPs counted from its shape;
-- SIGTERM to the run stops both processes, exit status 143;
+- SIGTERM (or Ctrl-C) to the run stops both processes after a crash checkpoint, exit status 143 (130);
 - a rank that dies (kill -9 of either, an exception on one) stops the other within seconds, in one line naming it and
   the last whole checkpoint, from which the run resumes; under zero3, killed while a checkpoint directory is being
   written, it names the last whole one (never the one in flight) and the run resumed from it ends bit for bit where
@@ -19,6 +19,7 @@ step and validation on (bucketed_ddp also compiled in runs of blocks that share 
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -212,9 +213,15 @@ def test_resumed_run_ends_exactly_where_the_uninterrupted_one_did(
         assert after["val_losses"] == resumed_validations and resumed_validations, rank
 
 
-@pytest.mark.parametrize("strategy", ["bucketed_ddp", "fsdp2"])
-def test_sigterm_to_the_launched_run_stops_both_ranks_and_exits_143(strategy, train_py, tmp_path):
-    sigterm_after_first_checkpoint(train_py, tmp_path, *train_py.tiny, *RUN, "--strategy", strategy)
+@pytest.mark.parametrize(
+    ("strategy", "signum"),
+    [("bucketed_ddp", signal.SIGTERM), ("fsdp2", signal.SIGTERM), ("zero3", signal.SIGINT)],
+    ids=["bucketed_ddp-SIGTERM", "fsdp2-SIGTERM", "zero3-Ctrl-C"],
+)
+def test_sigterm_or_ctrl_c_to_the_launched_run_stops_both_ranks_after_a_crash_checkpoint(
+    strategy, signum, train_py, tmp_path
+):
+    sigterm_after_first_checkpoint(train_py, tmp_path, *train_py.tiny, *RUN, "--strategy", strategy, signum=signum)
 
 
 @pytest.mark.parametrize("failure", FAILURES)

@@ -80,8 +80,8 @@ class StepCheckpoint(LinkingModelCheckpoint):
 
 class CrashCheckpoint(Checkpoint):
     """Writes ``crash.ckpt`` beside the run's other checkpoints when a fit stops on an exception: in a single-process
-    run on any, in a run of several processes on a SIGTERM its ranks agreed on (``StoppedTogether``: every rank then
-    stops at the same batch, so the save's collectives meet; after any other exception a rank may be gone).
+    run on any, in a run of several processes on a SIGTERM or Ctrl-C its ranks agreed on (``StoppedTogether``: every
+    rank then stops at the same batch, so the save's collectives meet; after any other exception a rank may be gone).
 
     Lightning's OnExceptionCheckpoint needs its folder before the run has one, and its presence makes
     every ``fit`` without ``ckpt_path`` look for a checkpoint to resume (with two warnings). Skipped
@@ -129,7 +129,7 @@ class CrashCheckpoint(Checkpoint):
 def _stopped_together(trainer: "L.Trainer", exception: BaseException) -> bool:
     strategy = trainer.strategy
     return (
-        isinstance(exception, SIGTERMException)
+        isinstance(exception, (SIGTERMException, KeyboardInterrupt))
         and isinstance(strategy, StoppedTogether)
         and strategy.stopped_together()
     )
