@@ -131,18 +131,25 @@ class LMCLI(CommandLineOverCheckpointCLI):
     """LightningCLI with short trainer flags, step checkpoints, run folders and checks at the door; a ``--ckpt_path``'s
     saved settings go *under* the command line (:mod:`lm_systems.run.resume`). The entry point hands in the
     ``strategy_names`` it registered, makers of the ``callbacks`` every run gets (unless the configuration brings one
-    of the type) and of the ``progress_bar`` for a refresh rate in batches (None: Lightning's)."""
+    of the type) and of the ``progress_bar`` for a refresh rate in batches (None: Lightning's). ``subcommand``: the
+    one the command line names; only its parser is built (each of Lightning's four took about a second to build)."""
 
     def __init__(
         self,
         *args: Any,
+        subcommand: Optional[str] = None,
         strategy_names: Sequence[str] = (),
         callbacks: Callable[[], list[Callback]] = list,
         progress_bar: Optional[Callable[[int], ProgressBar]] = None,
         **kwargs: Any,
     ) -> None:
+        self._subcommand = subcommand
         self._strategy_names, self._callbacks, self._progress_bar = strategy_names, callbacks, progress_bar
         super().__init__(*args, **kwargs)  # parses and runs
+
+    def subcommands(self) -> dict[str, set[str]]:
+        every = super().subcommands()
+        return {self._subcommand: every[self._subcommand]} if self._subcommand in every else every
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         group = parser.add_argument_group("Short forms of common --trainer.* flags")
@@ -293,6 +300,7 @@ def main(args: Optional[list[str]] = None, run: bool = True, **entry_parts: Any)
             sys.argv.insert(1, "fit")  # LightningCLI reads sys.argv itself when given no args
         else:
             args = ["fit", *args]
+    subcommand = (sys.argv[1] if args is None else args[0]) if run else None
     _quiet_lightning()
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # ModelConfig's field docstrings: --model.* help
     with reported_errors():
@@ -306,5 +314,6 @@ def main(args: Optional[list[str]] = None, run: bool = True, **entry_parts: Any)
             save_config_kwargs={"overwrite": True},
             args=args,
             run=run,
+            subcommand=subcommand,
             **entry_parts,
         )

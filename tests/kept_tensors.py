@@ -32,9 +32,13 @@ def kept_bytes(model: torch.nn.Module, tokens: torch.Tensor, own_storages_aside:
         {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]} if own_storages_aside else ()
     )
     spy = MadeTensors()
-    with spy:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-    gc.collect()
+    gc.freeze()  # what lives already is not the forward's: the collection below scans only what it made (~0.2 s less)
+    try:
+        with spy:
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        gc.collect()
+    finally:
+        gc.unfreeze()
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for ref in spy.made

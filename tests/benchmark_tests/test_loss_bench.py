@@ -29,6 +29,7 @@ FAST = [
 ]
 
 
+@pytest.mark.slow  # torch.compiles two of the variants
 def test_every_variant_and_chunk_gets_a_row_and_they_agree_on_the_loss(tmp_path):
     rows = bench.main([*FAST, "--chunk-tokens", "16", "--out-dir", str(tmp_path), "--name", "t"])
     assert default_chunk_tokens(300) > 48  # the default chunk is the whole step: measured as 48
