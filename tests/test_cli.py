@@ -107,6 +107,14 @@ def test_short_run_logs_to_tensorboard_checkpoints_and_resumes(tmp_path, capsys,
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # a validation loop
+def test_a_subcommand_other_than_fit_runs(fast):
+    """Only the named subcommand's parser is built: ``validate`` must still parse and run its own loop."""
+    cli = main(["validate", *fast, "--trainer.logger", "false"])
+    assert cli.subcommand == "validate" and cli.trainer.state.fn == "validate"
+    assert torch.isfinite(cli.trainer.callback_metrics["val/loss"])
+
+
 def test_no_logger_leaves_no_files_behind(tmp_path, tiny_args):
     """Lightning wrote LightningCLI's config.yaml into the working directory when there was no log folder."""
     cli = main(

@@ -127,6 +127,13 @@ def assert_resumed_from(probe: StateAtTrainStart, expected: dict) -> None:
     assert probe.lr_scheduler["last_epoch"] == expected["lr_scheduler"]["last_epoch"]
 
 
+def assert_same_start(resumed: dict, expected: dict) -> None:
+    """A resumed run's state at its start (as the workers keep it) against the full state the checkpoint was of."""
+    assert resumed["global_step"] == expected["global_step"]
+    assert_equal_tensors(resumed["state_dict"], expected["state_dict"], "state_dict")
+    assert_same_optimizer_state(resumed["optimizer"], expected["optimizer"])
+
+
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp2", "zero1", "bucketed_ddp", "auto"])
 def test_two_processes_directory_resumes_on_one_under_every_strategy(strategy, saved, tmp_path, one_process):
     probe = resume(strategy, directory(saved, SAVED_STEP), tmp_path)
@@ -135,11 +142,7 @@ def test_two_processes_directory_resumes_on_one_under_every_strategy(strategy, s
 
 @pytest.mark.parametrize("strategy", RESUMED_ON_TWO)
 def test_two_processes_directory_resumes_on_two_under_other_strategies(strategy, saved):
-    resumed = torch.load(saved / f"{strategy}_start.pt", weights_only=False)
-    expected = full_state(saved, SAVED_STEP)
-    assert resumed["global_step"] == expected["global_step"]
-    assert_equal_tensors(resumed["state_dict"], expected["state_dict"], "state_dict")
-    assert_same_optimizer_state(resumed["optimizer"], expected["optimizer"])
+    assert_same_start(torch.load(saved / f"{strategy}_start.pt", weights_only=False), full_state(saved, SAVED_STEP))
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +158,7 @@ def resumed_on_four(saved) -> Path:
 @pytest.mark.parametrize("strategy", RESUMED_ON_FOUR)
 def test_two_processes_directory_resumes_on_four(strategy, resumed_on_four):
     resumed = torch.load(resumed_on_four / f"{strategy}_on_four_start.pt", weights_only=False)
-    expected = full_state(resumed_on_four, SAVED_STEP)
-    assert resumed["global_step"] == expected["global_step"]
-    assert_equal_tensors(resumed["state_dict"], expected["state_dict"], "state_dict")
-    assert_same_optimizer_state(resumed["optimizer"], expected["optimizer"])
+    assert_same_start(resumed, full_state(resumed_on_four, SAVED_STEP))
 
 
 def test_consolidated_into_one_file_it_resumes_a_sharded_strategy(saved, tmp_path, one_process, capsys):
