@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 import strategies
 from lm_systems.errors import RunError
@@ -88,6 +90,45 @@ def test_an_asynchronous_save_is_named_and_linked_only_once_whole(group, tmp_pat
     for index, state in expected["optimizer"].items():
         for key, value in state.items():
             assert torch.equal(whole["optimizer_states"][0]["state"][index][key], value), (index, key)
+
+
+def test_one_writer_saves_sharded_state_again_and_again(group, tmp_path):
+    """DTensor state (as zero3 and fsdp2 hand it over) through three asynchronous saves of one writer, each whole and
+    from the values it was asked for (torch 2.11's DefaultStager failed a second save)."""
+    mesh = init_device_mesh("cpu", (1,))
+    checkpoint = a_checkpoint()
+    checkpoint["state_dict"] = {k: DTensor.from_local(v, mesh, [Shard(0)]) for k, v in checkpoint["state_dict"].items()}
+    writer = CheckpointDirWriter(group, asynchronous=True)
+    writer.allocate_host_buffers(checkpoint)
+    for step in (1, 2, 3):
+        checkpoint["global_step"] = step
+        expected = {k: v.to_local().clone() for k, v in checkpoint["state_dict"].items()}
+        writer.save(checkpoint, tmp_path / f"step={step}.ckpt")
+        for tensor in checkpoint["state_dict"].values():
+            tensor.to_local().add_(1.0)
+        writer.wait()
+        whole = read_whole(tmp_path / f"step={step}.ckpt")
+        assert whole["global_step"] == step
+        for name, value in expected.items():
+            assert torch.equal(whole["state_dict"][name], value), (step, name)
+
+
+def test_a_save_that_fails_to_start_leaves_nothing_in_flight(group, tmp_path, monkeypatch):
+    """An error raised by the save itself (not its background write) reaches the caller, and the next wait (the
+    crash checkpoint's save) returns instead of waiting for a write that never began."""
+
+    def broken(*args, **kwargs):
+        raise KeyError(type)
+
+    monkeypatch.setattr(checkpoint_dir.dcp, "async_save", broken)
+    writer = CheckpointDirWriter(group, asynchronous=True)
+    with pytest.raises(KeyError):
+        writer.save(a_checkpoint(), tmp_path / "step=3.ckpt")
+    waiting = threading.Thread(target=writer.wait, daemon=True)
+    waiting.start()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive(), "wait() hangs on a save that never started"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_files_hold_the_states_bytes_within_5_percent(group, tmp_path):

@@ -30,10 +30,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lm_systems.errors import RunError
 from lm_systems.files.disk_space import free_bytes, no_space_message, tensor_bytes
+from lm_systems.files.host_staging import HostStager
 
 META = "meta.pt"
 """The checkpoint without its tensors, written by rank 0."""
@@ -137,16 +137,12 @@ class CheckpointDirWriter:
         self._lock = threading.Lock()
         self._pending: Optional[_PendingSave] = None
         # The copy to host memory the loop waits for: into pinned buffers on a CUDA machine (so the copy runs at the
-        # link's speed), plain memory elsewhere; DefaultStager keeps them, keyed by the tensors' storages, for the next
-        # save (allocate_host_buffers makes them before the first).
-        cuda = torch.cuda.is_available()
-        options = StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
-        )
-        self._stager = DefaultStager(options) if asynchronous else None
+        # link's speed), plain memory elsewhere, kept for the next save (allocate_host_buffers makes them before the
+        # first).
+        self._stager = HostStager(group, pinned=torch.cuda.is_available()) if asynchronous else None
 
     def save(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
-        self.wait()  # one save in flight: its host copy is freed before the next is made
+        self.wait()  # one save in flight: its host buffers are the next one's
         tensors, rest = split_checkpoint(checkpoint)
         path = Path(path).absolute()  # the write goes on in another thread: not relative to a working folder
         self._check_space(path, tensor_bytes(tensors))
@@ -156,12 +152,18 @@ class CheckpointDirWriter:
             torch.save(rest, temporary / META)
         writer = FileSystemWriter(str(temporary), thread_count=WRITE_THREADS)
         pending = _PendingSave(path, temporary)
-        if not self.asynchronous:
-            dcp.save(tensors, storage_writer=writer, process_group=self.group)
-            self._publish(pending)
-            return
+        try:
+            if not self.asynchronous:
+                dcp.save(tensors, storage_writer=writer, process_group=self.group)
+                self._publish(pending)
+                return
+            future = dcp.async_save(
+                tensors, storage_writer=writer, process_group=self.group, async_stager=self._stager
+            )
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)  # nothing in flight: a later save or wait must not wait
+            raise
         self._pending = pending
-        future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group, async_stager=self._stager)
         future.add_done_callback(lambda done: self._finish(pending, done))
 
     def allocate_host_buffers(self, checkpoint: dict[str, Any]) -> None:

@@ -17,7 +17,6 @@ import torch.multiprocessing as mp
 from checkpoint_dir_workers import RESUMED_ON_FOUR, RESUMED_ON_TWO, UnitsTinyLM, resume_on_four, save_under_zero3
 from lightning.pytorch.callbacks import ModelCheckpoint
 from strategy_workers import STEPS_PER_EPOCH, TinyData
-from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
 
 import strategies
@@ -25,6 +24,7 @@ from lm_systems.files import checkpoint_dir
 from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_whole
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.files.consolidate import main as consolidate_main
+from lm_systems.files.host_staging import HostStager
 from lm_systems.parallel import ShardedOptimizer
 
 SAVED_STEP = STEPS_PER_EPOCH  # the first epoch's checkpoint
@@ -170,13 +170,13 @@ def test_consolidated_into_one_file_it_resumes_a_sharded_strategy(saved, tmp_pat
     assert_resumed_from(probe, full_state(saved, SAVED_STEP))
 
 
-class RecordingStager(DefaultStager):
-    """DefaultStager, noting the host buffer (storage address) each ``stage`` copied each tensor into, by key."""
+class RecordingStager(HostStager):
+    """HostStager, noting the host buffer (storage address) each ``stage`` copied each tensor into, by key."""
 
     staged: list[dict[str, int]] = []
 
-    def stage(self, state_dict, **kwargs):
-        staged = super().stage(state_dict, **kwargs)
+    def stage(self, state_dict):
+        staged = super().stage(state_dict)
         RecordingStager.staged.append(
             {key: _local(value).untyped_storage().data_ptr() for key, value in staged.items()}
         )
@@ -202,7 +202,7 @@ def test_host_buffers_are_made_before_the_first_save_and_each_save_only_copies_i
 ):
     """The staging buffers of a background save exist before the loop's first save (made after the first optimizer
     step, once AdamW's state exists): every save copies into buffers an earlier staging made, none of its own."""
-    monkeypatch.setattr(checkpoint_dir, "DefaultStager", RecordingStager)
+    monkeypatch.setattr(checkpoint_dir, "HostStager", RecordingStager)
     monkeypatch.setattr(RecordingStager, "staged", [])
     probe = StagedBeforeEachSave()
     trainer = L.Trainer(
