@@ -33,7 +33,7 @@ from lm_systems.run.door_checks import (
     device_type,
     make_output_folder,
 )
-from lm_systems.run.help_cache import SUBCOMMANDS
+from lm_systems.run.help_cache import NOT_OFFERED, SUBCOMMANDS
 from lm_systems.run.logger import run_version_of
 from lm_systems.run.resume import SavedSettings, resolved_ckpt_path
 from lm_systems.run.strategy_flags import strategy_names_as_classes
@@ -148,8 +148,8 @@ class LMCLI(CommandLineOverCheckpointCLI):
         super().__init__(*args, **kwargs)  # parses and runs
 
     def subcommands(self) -> dict[str, set[str]]:
-        every = super().subcommands()
-        return {self._subcommand: every[self._subcommand]} if self._subcommand in every else every
+        offered = {name: keys for name, keys in super().subcommands().items() if name in SUBCOMMANDS}
+        return {self._subcommand: offered[self._subcommand]} if self._subcommand in offered else offered
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         group = parser.add_argument_group("Short forms of common --trainer.* flags")
@@ -295,6 +295,12 @@ def main(args: Optional[list[str]] = None, run: bool = True, **entry_parts: Any)
     Errors end in one line with an exit status (:mod:`lm_systems.errors`). ``run=False`` parses ``args`` (no
     subcommand) and builds the model, data and trainer without running."""
     given = sys.argv[1:] if args is None else args
+    if run and given and given[0] in NOT_OFFERED:
+        with reported_errors():
+            raise InputError(
+                f"train.py has no {given[0]!r}: the data has a training and a validation split and the model no "
+                "predict_step; to score a checkpoint on the validation split: python train.py validate --ckpt_path PATH"
+            )
     if run and (not given or given[0] not in SUBCOMMANDS):
         if args is None:
             sys.argv.insert(1, "fit")  # LightningCLI reads sys.argv itself when given no args

@@ -106,13 +106,22 @@ def test_short_run_logs_to_tensorboard_checkpoints_and_resumes(tmp_path, capsys,
     )
 
 
-@pytest.mark.slow
 @pytest.mark.slow  # a validation loop
 def test_a_subcommand_other_than_fit_runs(fast):
     """Only the named subcommand's parser is built: ``validate`` must still parse and run its own loop."""
     cli = main(["validate", *fast, "--trainer.logger", "false"])
     assert cli.subcommand == "validate" and cli.trainer.state.fn == "validate"
     assert torch.isfinite(cli.trainer.callback_metrics["val/loss"])
+
+
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+def test_test_and_predict_are_refused_in_one_line_that_names_validate(subcommand, capsys):
+    """Lightning's test and predict would end in a traceback here (no test split, no predict_step)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([subcommand, "--max_steps", "1"])
+    assert exit_.value.code == 2
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert said.startswith(f"error: train.py has no {subcommand!r}") and "python train.py validate" in said
 
 
 def test_no_logger_leaves_no_files_behind(tmp_path, tiny_args):

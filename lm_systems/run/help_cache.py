@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 from lm_systems.files.atomic_files import atomic_write_path
 
 HELP_FLAGS = ("--help", "-h")
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = ("fit", "validate")
+NOT_OFFERED = ("test", "predict")  # Lightning's, with nothing to run here: no test split, no predict_step
 # What builds the parser: its classes' signatures and docstrings, and the libraries that render them.
 SOURCE_DIRS = ("lm_systems", "strategies", "callbacks")
 LIBRARIES = ("lightning", "jsonargparse", "torch", "docstring_parser", "typeshed_client")
