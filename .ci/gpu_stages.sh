@@ -16,7 +16,7 @@ torch.cuda.device_count(), 'x', torch.cuda.get_device_name())" | tee "$OUT/versi
 run() {  # run STAGE_NAME SECONDS COMMAND...: log to $OUT/STAGE_NAME.log, print the wall time
     local name=$1 limit=$2; shift 2
     local start=$SECONDS
-    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+    timeout -k 60 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1  # -k: killed if still running 60 s after SIGTERM (its crash save)
     local code=$?
     echo "== $name: exit $code after $((SECONDS - start)) s wall" | tee -a "$OUT/summary.txt"
 }
