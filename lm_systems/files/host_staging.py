@@ -1,8 +1,8 @@
 """The copy of a checkpoint's tensors to host memory that an asynchronous save waits for, into buffers kept from one
 save to the next.
 
-torch's ``DefaultStager`` keeps its buffers only from torch 2.13 on: in 2.11 and 2.12 it drops them (and the tables
-its copy needs) after every copy, so a second save through one stager fails and every save pins its buffers anew.
+The project's own rather than torch's ``DefaultStager``, which in torch 2.11 (the floor) drops its buffers, and the
+tables its copy needs, after every copy: its second copy fails (2.13's keeps them).
 """
 
 from __future__ import annotations
