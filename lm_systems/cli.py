@@ -178,7 +178,7 @@ class LMCLI(CommandLineOverCheckpointCLI):
             for name in SHORT_FLAGS:
                 if config.get(name) is not None:
                     config.trainer[name] = config[name]
-            if saved is not None:
+            if saved is not None and self.config.get("subcommand") in (None, "fit"):  # validate only reads it
                 saved.refuse_a_finished_run(config.trainer.get("max_steps"))
             accelerator = config.trainer.get("accelerator")
             check_trainer_choices(config.trainer, self._strategy_names, short_flags=SHORT_FLAGS)

@@ -228,6 +228,20 @@ def test_a_resume_with_nothing_left_to_train_says_so_and_leaves_no_folder(tmp_pa
     assert not (tmp_path / "logs").exists()
 
 
+def test_validate_reads_a_finished_runs_checkpoint(tmp_path, monkeypatch):
+    """Only fit is refused a checkpoint with nothing left to train: validate scores it."""
+    handed: dict = {}
+
+    def validate(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None, weights_only=None):
+        """(LightningCLI takes --ckpt_path from this signature.)"""
+        handed["ckpt_path"] = ckpt_path
+
+    monkeypatch.setattr(L.Trainer, "validate", validate)
+    path = run_checkpoint(tmp_path / "step=310.ckpt", 310)
+    main(["validate", "--ckpt_path", str(path)])
+    assert handed["ckpt_path"] == str(path)
+
+
 def test_ckpt_path_last_takes_the_crash_ckpt_a_stopped_run_just_named(tmp_path, fit_not_run):
     older = run_checkpoint(tmp_path / "logs" / "lm_systems" / "version_0" / "checkpoints" / "step=310.ckpt", 310)
     (older.parent / "last.ckpt").symlink_to(older.name)

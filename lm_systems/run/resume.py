@@ -46,7 +46,7 @@ def resolved_ckpt_path(ckpt_path: Optional[str], root: Optional[str]) -> Optiona
             raise
         lasts = []
     newest = str(max([*lasts, *crashes], key=lambda path: path.stat().st_mtime))
-    rank_zero_info(f"--ckpt_path {NEWEST}: resuming from {newest}")
+    rank_zero_info(f"--ckpt_path {NEWEST}: {newest}")
     return newest
 
 
