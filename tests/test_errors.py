@@ -197,18 +197,24 @@ def test_the_os_error_behind_a_runtime_error_is_found(tmp_path):
         (Literal["none", "blocks"], "all", "--key 'all' is not one of: none, blocks"),
         (Optional[Union[Literal[16, 32], Literal["bf16-mixed"]]], "8-bit", "--key '8-bit' is not one of: bf16-mixed"),
         (Union[Literal["a"], int], "b", "--key 'b' is not one of: a"),  # an int is "Expected a <class 'int'>"
-        (bool, "maybe", "Parser key \"key\": Expected a <class 'bool'>. Got value: maybe"),
-        (Optional[int], "x", "Parser key \"key\": Expected a <class 'int'> Expected a <class 'NoneType'>"),
+        (bool, "maybe", ("Parser key \"key\": Expected a <class 'bool'>. Got value: maybe",)),
+        # jsonargparse's own words, whose order of the Union's members varies between its releases
+        (Optional[int], "x", ("Parser key \"key\": ", "Expected a <class 'int'>", "Expected a <class 'NoneType'>")),
     ],
 )
 def test_jsonargparse_errors_are_one_line_and_a_bad_choice_lists_the_choices(kind, value, says):
     """jsonargparse's own error dumps, as a parser of it raises them: a Literal's choices (a Union's too, its
-    type errors dropped) read as ``--key 'value' is not one of: ...``; any other error keeps jsonargparse's words."""
+    type errors dropped) read as ``--key 'value' is not one of: ...``; any other error keeps jsonargparse's words
+    (``says`` as a tuple: the words the one line holds)."""
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--key", type=kind)
     with pytest.raises(ArgumentError) as error:
         parser.parse_args(["--key", value])
-    assert one_line(str(error.value)) == says
+    said = one_line(str(error.value))
+    if isinstance(says, tuple):
+        assert "\n" not in said and all(words in said for words in says), said
+    else:
+        assert said == says
 
 
 @pytest.fixture
