@@ -199,7 +199,7 @@ def test_the_os_error_behind_a_runtime_error_is_found(tmp_path):
         (Union[Literal["a"], int], "b", "--key 'b' is not one of: a"),  # an int is "Expected a <class 'int'>"
         (bool, "maybe", ("Parser key \"key\": Expected a <class 'bool'>. Got value: maybe",)),
         # jsonargparse's own words, whose order of the Union's members varies between its releases
-        (Optional[int], "x", ("Parser key \"key\": ", "Expected a <class 'int'>", "Expected a <class 'NoneType'>")),
+        (Optional[int], "x", ('Parser key "key": ', "Expected a <class 'int'>", "Expected a <class 'NoneType'>")),
     ],
 )
 def test_jsonargparse_errors_are_one_line_and_a_bad_choice_lists_the_choices(kind, value, says):

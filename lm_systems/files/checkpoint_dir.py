@@ -157,9 +157,7 @@ class CheckpointDirWriter:
                 dcp.save(tensors, storage_writer=writer, process_group=self.group)
                 self._publish(pending)
                 return
-            future = dcp.async_save(
-                tensors, storage_writer=writer, process_group=self.group, async_stager=self._stager
-            )
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group, async_stager=self._stager)
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)  # nothing in flight: a later save or wait must not wait
             raise
