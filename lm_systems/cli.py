@@ -148,8 +148,8 @@ class LMCLI(CommandLineOverCheckpointCLI):
         super().__init__(*args, **kwargs)  # parses and runs
 
     def subcommands(self) -> dict[str, set[str]]:
-        offered = {name: keys for name, keys in super().subcommands().items() if name in SUBCOMMANDS}
-        return {self._subcommand: offered[self._subcommand]} if self._subcommand in offered else offered
+        every = super().subcommands()
+        return {self._subcommand: every[self._subcommand]} if self._subcommand in every else every
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         group = parser.add_argument_group("Short forms of common --trainer.* flags")
@@ -178,7 +178,7 @@ class LMCLI(CommandLineOverCheckpointCLI):
             for name in SHORT_FLAGS:
                 if config.get(name) is not None:
                     config.trainer[name] = config[name]
-            if saved is not None and self.config.get("subcommand") in (None, "fit"):  # validate only reads it
+            if saved is not None and self._subcommand in (None, "fit"):  # validate only reads it
                 saved.refuse_a_finished_run(config.trainer.get("max_steps"))
             accelerator = config.trainer.get("accelerator")
             check_trainer_choices(config.trainer, self._strategy_names, short_flags=SHORT_FLAGS)
@@ -295,12 +295,6 @@ def main(args: Optional[list[str]] = None, run: bool = True, **entry_parts: Any)
     Errors end in one line with an exit status (:mod:`lm_systems.errors`). ``run=False`` parses ``args`` (no
     subcommand) and builds the model, data and trainer without running."""
     given = sys.argv[1:] if args is None else args
-    if run and given and given[0] in NOT_OFFERED:
-        with reported_errors():
-            raise InputError(
-                f"train.py has no {given[0]!r}: the data has a training and a validation split and the model no "
-                "predict_step; to score a checkpoint on the validation split: python train.py validate --ckpt_path PATH"
-            )
     if run and (not given or given[0] not in SUBCOMMANDS):
         if args is None:
             sys.argv.insert(1, "fit")  # LightningCLI reads sys.argv itself when given no args
@@ -310,6 +304,11 @@ def main(args: Optional[list[str]] = None, run: bool = True, **entry_parts: Any)
     _quiet_lightning()
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # ModelConfig's field docstrings: --model.* help
     with reported_errors():
+        if run and given and given[0] in NOT_OFFERED:
+            raise InputError(
+                f"train.py has no {given[0]!r}: the data has a training and a validation split and the model no "
+                "predict_step; to score a checkpoint on the validation split: python train.py validate --ckpt_path PATH"
+            )
         return LMCLI(
             LitLM,
             LMDataModule,

@@ -58,6 +58,7 @@ class HostSigtermAgreement:
             previous = self._previous_sigint if callable(self._previous_sigint) else signal.default_int_handler
             signal.signal(signal.SIGINT, previous)
             previous(signum, frame)
+            return
         self._received = signal.SIGINT
 
     def agree(self) -> bool:

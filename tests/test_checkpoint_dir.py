@@ -113,6 +113,21 @@ def test_one_writer_saves_sharded_state_again_and_again(group, tmp_path):
             assert torch.equal(whole["state_dict"][name], value), (step, name)
 
 
+def test_a_dtensor_over_a_mesh_of_two_dimensions_is_refused_naming_the_mesh(group, tmp_path):
+    """The host copy stands a DTensor on a one-dimensional mesh of every rank; any other layout would be written
+    with the wrong offsets, so it is refused before anything is written."""
+    mesh = init_device_mesh("cpu", (1, 1))
+    checkpoint = a_checkpoint()
+    checkpoint["state_dict"] = {
+        k: DTensor.from_local(v, mesh, [Shard(0), Shard(0)]) for k, v in checkpoint["state_dict"].items()
+    }
+    with pytest.raises(
+        ValueError, match=r"one mesh dimension of all ranks in order \(\[0\]\); got a mesh of shape \(1, 1\)"
+    ):
+        CheckpointDirWriter(group, asynchronous=True).save(checkpoint, tmp_path / "step=3.ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_save_that_fails_to_start_leaves_nothing_in_flight(group, tmp_path, monkeypatch):
     """An error raised by the save itself (not its background write) reaches the caller, and the next wait (the
     crash checkpoint's save) returns instead of waiting for a write that never began."""

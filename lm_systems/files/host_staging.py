@@ -28,6 +28,7 @@ class HostStager(AsyncStager):
     def __init__(self, group: dist.ProcessGroup, pinned: bool) -> None:
         self.group = group
         self.pinned = pinned
+        self._ranks = dist.get_process_group_ranks(group)
         self._buffers: dict[str, torch.Tensor] = {}
         self._host_mesh: DeviceMesh | None = None
 
@@ -69,10 +70,9 @@ class HostStager(AsyncStager):
 
     def _mesh_like(self, mesh: DeviceMesh) -> DeviceMesh:
         """The host mesh standing in for ``mesh``: the same ranks in the same order, over ``group``."""
-        ranks = dist.get_process_group_ranks(self.group)
-        if mesh.ndim != 1 or mesh.mesh.tolist() != ranks:
+        if mesh.ndim != 1 or mesh.mesh.tolist() != self._ranks:
             raise ValueError(
-                f"a checkpoint directory holds DTensors over one mesh dimension of every rank in order ({ranks}); "
+                f"a checkpoint directory holds DTensors over one mesh dimension of all ranks in order ({self._ranks}); "
                 f"got a mesh of shape {tuple(mesh.mesh.shape)} over {mesh.mesh.flatten().tolist()}"
             )
         if self._host_mesh is None:
