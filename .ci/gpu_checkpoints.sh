@@ -5,6 +5,8 @@
 #   save     a save every 10 steps (steps 10 and 20); step times, peak host memory, the bytes on disk
 #   nosave   the same run without checkpoints: the step times to compare with
 #   resume   step 20's directory removed, the run resumed from step 10's to step 20: its losses against save's
+#   eight_b  configs/leaderboard_8b.yaml on the one GPU under zero3 (auto recompute, compiled), a save at step 4 and at
+#            the end (step 8): 48 GB a checkpoint, so step 4's is removed once step 8's write starts (the disk holds one)
 #   summary  the pause per save (the interval after a saving step less the median interval), step 1's interval
 #            (the staging buffers are made after its optimizer step, not in the first save), peak RSS, bytes
 #            on disk against the state's, the resumed losses against the uninterrupted ones
@@ -38,6 +40,22 @@ for stage in "${STAGES[@]}"; do
             --trainer.callbacks.out "$OUT/save.json"
         du -sb "$RUNS"/save/logs/*/version_*/checkpoints/step=10.ckpt | tee -a "$OUT/summary.txt"
         ;;
+    eight_b)
+        rm -rf "$RUNS"  # the 2.7b runs' checkpoints: the disk holds one 8B checkpoint, not them as well
+        mkdir -p "$RUNS"
+        ( # step 4's checkpoint goes once step 8's temporary folder appears
+            while sleep 1; do
+                late=$(ls -d "$RUNS"/eight_b/logs/*/version_*/checkpoints/step=8.ckpt.tmp-* 2>/dev/null | head -1)
+                [ -n "$late" ] && rm -rf "$RUNS"/eight_b/logs/*/version_*/checkpoints/step=4.ckpt && break
+            done
+        ) &
+        run eight_b 540 python train.py -c configs/leaderboard_8b.yaml --trainer.devices 1 --trainer.strategy zero3 \
+            --trainer.max_steps 8 --trainer.enable_checkpointing true --checkpointing_interval 4 \
+            --trainer.enable_progress_bar false --trainer.default_root_dir "$RUNS/eight_b" \
+            --trainer.callbacks+=tests.step_clock.StepClock --trainer.callbacks.out "$OUT/eight_b.json"
+        kill %1 2>/dev/null
+        grep -E "speed|memory|^error" "$OUT/eight_b.log" | sed "s/^/eight_b: /" | tee -a "$OUT/summary.txt"
+        ;;
     nosave)
         run nosave 180 "${RUN[@]}" --trainer.enable_checkpointing false --trainer.default_root_dir "$RUNS/nosave" \
             --trainer.callbacks.out "$OUT/nosave.json"
@@ -52,7 +70,7 @@ for stage in "${STAGES[@]}"; do
 import json, statistics, sys
 from pathlib import Path
 out, runs = Path(sys.argv[1]), Path(sys.argv[2])
-clock = {name: json.loads((out / f"{name}.json").read_text()) for name in ("save", "nosave", "resume")
+clock = {name: json.loads((out / f"{name}.json").read_text()) for name in ("save", "nosave", "resume", "eight_b")
          if (out / f"{name}.json").exists()}
 for name, record in clock.items():
     steady = record["intervals_s"][3:]  # after the first steps' warm-up
@@ -69,6 +87,14 @@ if {"save", "nosave"} <= clock.keys():
     first = save["steps"].index(1) - 1
     print(f"step 1 with the staging buffers made: {save['intervals_s'][first]:.3f} s, "
           f"without saves {clock['nosave']['intervals_s'][first]:.3f} s")
+if "eight_b" in clock:  # steps 2-8 without a save against the interval holding step 4's save
+    record = clock["eight_b"]
+    index = record["steps"].index(4) - 1
+    others = [t for i, t in enumerate(record["intervals_s"]) if i not in (0, index)]
+    median = statistics.median(others)
+    print(f"8B: step 4's save paused the loop {record['intervals_s'][index] - median:.3f} s "
+          f"(interval {record['intervals_s'][index]:.3f} s, median of the others {median:.3f} s, "
+          f"step 1: {record['intervals_s'][0]:.3f} s)")
 directory = next(runs.glob("save/logs/*/version_*/checkpoints/step=10.ckpt"), None)
 if directory is not None:
     from lm_systems.files.checkpoint_dir import stored_tensors
@@ -87,7 +113,7 @@ if {"save", "resume"} <= clock.keys():
 PY
         ;;
     *)
-        echo "unknown stage $stage (save, nosave, resume, summary)"; exit 2
+        echo "unknown stage $stage (save, nosave, resume, eight_b, summary)"; exit 2
         ;;
     esac
 done

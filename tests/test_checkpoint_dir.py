@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import strategies
 from lm_systems.errors import RunError
-from lm_systems.files import checkpoint_dir
+from lm_systems.files import checkpoint_dir, host_staging
 from lm_systems.files.checkpoint_dir import CheckpointDirWriter, is_checkpoint_dir, read_whole
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.run_callbacks.checkpoints import StepCheckpoint
@@ -277,3 +277,38 @@ def test_saving_a_step_again_replaces_its_directory_whole(group, tmp_path):
     whole = read_whole(path)
     assert whole["global_step"] == 4 and bool((whole["state_dict"]["layer0.weight"] == 7.0).all())
     assert [p.name for p in tmp_path.iterdir()] == ["step=3.ckpt"], "no temporary left behind"
+
+
+@pytest.mark.parametrize(
+    "pinned",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_the_host_copy_holds_the_state_s_bytes_in_one_buffer_reused_until_a_shape_changes(group, pinned):
+    """The staged tensors lie in one stretch of host memory as large as they are (each key's place rounded to 64
+    bytes), not a power of two per tensor as torch's pinned allocator makes it, and each one's storage is its own
+    bytes (DCP's writer copies a tensor whose storage is larger); a second staging copies into the same places; a
+    changed shape gets new ones. On CUDA the memory is page-locked and the copies come from the GPU."""
+    device = "cuda" if pinned else "cpu"
+    state = {"w": torch.randn(1000, 3, device=device), "b": torch.arange(5, device=device), "s": torch.tensor(2.0)}
+    stager = host_staging.HostStager(group, pinned=pinned)
+    try:
+        first = stager.stage(state)
+        assert _span(first) == 12032 + 64 + 4  # 12,000 bytes in 188 places of 64, 40 in 1, then 4
+        assert all(value.untyped_storage().nbytes() == value.nbytes for value in first.values())
+        assert all(torch.equal(first[key], value.cpu()) for key, value in state.items())
+        assert all(value.is_pinned() == pinned for value in first.values())
+        addresses = {key: value.data_ptr() for key, value in first.items()}
+        state["w"].add_(1.0)
+        again = stager.stage(state)
+        assert {key: value.data_ptr() for key, value in again.items()} == addresses
+        assert torch.equal(again["w"], state["w"].cpu())
+        state["w"] = torch.randn(7, device=device)
+        changed = stager.stage(state)
+        assert torch.equal(changed["w"], state["w"].cpu()) and _span(changed) == 64 + 64 + 4
+    finally:
+        stager.close()
+
+
+def _span(staged: dict[str, torch.Tensor]) -> int:
+    """The bytes from the first staged tensor's start to the last one's end."""
+    return max(t.data_ptr() + t.nbytes for t in staged.values()) - min(t.data_ptr() for t in staged.values())

@@ -171,15 +171,13 @@ def test_consolidated_into_one_file_it_resumes_a_sharded_strategy(saved, tmp_pat
 
 
 class RecordingStager(HostStager):
-    """HostStager, noting the host buffer (storage address) each ``stage`` copied each tensor into, by key."""
+    """HostStager, noting the host address each ``stage`` copied each tensor into, by key."""
 
     staged: list[dict[str, int]] = []
 
     def stage(self, state_dict):
         staged = super().stage(state_dict)
-        RecordingStager.staged.append(
-            {key: _local(value).untyped_storage().data_ptr() for key, value in staged.items()}
-        )
+        RecordingStager.staged.append({key: _local(value).data_ptr() for key, value in staged.items()})
         return staged
 
 
