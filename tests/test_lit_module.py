@@ -199,19 +199,30 @@ def test_compile_happens_once_across_stages(cache_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "devices, compile, compiled",
-    [(1, True, "whole"), (2, True, "blocks"), (1, "blocks", "blocks"), (2, "model", "whole")],
+    "devices, strategy, compile, compiled",
+    [
+        (1, "auto", True, "whole"),
+        (2, "ddp_spawn", True, "blocks"),
+        (1, "zero3", True, "blocks"),
+        (1, "auto", "blocks", "blocks"),
+        (2, "ddp_spawn", "model", "whole"),
+    ],
 )
-def test_compile_is_per_block_only_across_processes_unless_named(devices, compile, compiled, monkeypatch):
-    """Across processes the strategies overlap each block's gradient communication with backward, which needs each
-    block's backward to be a node of its own; in one process the whole model compiles into one graph. A named
+def test_compile_is_per_block_under_a_data_parallel_strategy_unless_named(
+    devices, strategy, compile, compiled, monkeypatch
+):
+    """A data-parallel strategy overlaps each block's gradient communication with backward, which needs each
+    block's backward to be a node of its own, and zero3 gathers a block's parameters in hooks that a graph must not
+    trace, on one process too; under a single-device strategy the whole model compiles into one graph. A named
     choice holds everywhere."""
+    import strategies  # noqa: F401  (registers zero3)
+
     calls = _record_compiles(monkeypatch)
     lit = LitLM(**SMALL_MODEL, vocab_size=100, compile=compile)
     lit.trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp_spawn" if devices > 1 else "auto",
+        strategy=strategy,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal, Optional, Union
 
 import lightning.pytorch as L
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
 
 from lm_systems.errors import InputError
@@ -23,11 +23,12 @@ def bucketing_strategies() -> list[str]:
 def compile_model(
     model: TransformerLM, choice: CompileChoice, trainer: Optional[L.Trainer], module: L.LightningModule
 ) -> None:
-    """Per block where gradients are reduced across processes, so that each block's are ready as its backward ends;
-    else the whole model, whose one graph launches its kernels with less host work per step (unless ``choice`` names
-    one of the two). "buckets": per run of blocks that the strategy's ``block_runs`` gives for ``module``, which it
+    """Per block under a data-parallel strategy, on any number of processes: its container's hooks (a gradient's
+    reduction as its block's backward ends, zero3's gather before a block's forward) stay outside the graphs; else
+    the whole model, whose one graph launches its kernels with less host work per step (unless ``choice`` names one
+    of the two). "buckets": per run of blocks that the strategy's ``block_runs`` gives for ``module``, which it
     will wrap."""
-    across_processes = trainer is not None and trainer.world_size > 1
+    wrapped = trainer is not None and isinstance(trainer.strategy, ParallelStrategy)
     if choice == "buckets":
         strategy = trainer.strategy if trainer is not None else None
         if not isinstance(strategy, BlockRuns):
@@ -43,7 +44,7 @@ def compile_model(
             f"--model.compile buckets: the {len(model.blocks)} blocks compiled in {len(runs)} runs "
             f"of {', '.join(map(str, runs))} (one graph a run, whose gradients share a bucket)"
         )
-    elif choice == "blocks" or (choice is True and across_processes):
+    elif choice == "blocks" or (choice is True and wrapped):
         model.compile_blocks()
     else:
         model.compile()
