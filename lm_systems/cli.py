@@ -85,6 +85,9 @@ class RunOptions:
     checkpointing_interval: int = 0
     """> 0: a step=N.ckpt every N optimizer steps; <= 0: only at the end (the final step is always saved; last.ckpt
     links the newest). A ModelCheckpoint of your own in trainer.callbacks replaces this."""
+    checkpointing_keep: int = 0
+    """> 0: keep only this run's newest K step checkpoints, an older one removed once a newer one is whole (the disk
+    holds K + 1 while one is written); 0: keep them all"""
     resume_into_run: bool = False
     """with --ckpt_path .../version_N/checkpoints/X.ckpt: keep logging into version_N, not a new version"""
     cpu_step_limit_s: float = 600
@@ -211,13 +214,20 @@ class LMCLI(CommandLineOverCheckpointCLI):
         trainer_config = {**trainer_config, **kwargs}
         callbacks, plugins = _as_list(trainer_config.get("callbacks")), _as_list(trainer_config.get("plugins"))
         if trainer_config.get("enable_checkpointing") is not False:
-            interval = config.get("checkpointing_interval", 0)
+            interval, keep = config.get("checkpointing_interval", 0), config.get("checkpointing_keep", 0)
+            if keep < 0:
+                self.parser.error(f"--checkpointing_keep must be 0 (keep every checkpoint) or more, got {keep}")
             if not _has(callbacks, ModelCheckpoint):
-                callbacks.append(StepCheckpoint(interval))
-            elif interval > 0:
+                callbacks.append(StepCheckpoint(interval, keep=keep))
+            elif interval > 0 or keep > 0:
+                flag, there = (
+                    ("--checkpointing_interval", "every_n_train_steps")
+                    if interval > 0
+                    else ("--checkpointing_keep", "save_top_k")
+                )
                 self.parser.error(
-                    "--checkpointing_interval is set and trainer.callbacks has its own ModelCheckpoint: "
-                    "set every_n_train_steps there, or drop one of the two"
+                    f"{flag} is set and trainer.callbacks has its own ModelCheckpoint: "
+                    f"set {there} there, or drop one of the two"
                 )
             callbacks.append(CrashCheckpoint())
         bar = self._progress_bar

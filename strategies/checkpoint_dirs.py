@@ -157,6 +157,14 @@ class CheckpointDirStrategy(PublishedCheckpoints):
             self._writer.when_published(path, action)
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        """Once the save in flight is whole (never, if it fails): a checkpoint that a newer one replaces stays until
+        the newer one can be resumed from."""
+        if self._writer is None:
+            self._remove_now(filepath)
+        else:
+            self._writer.after_pending(lambda: self._remove_now(filepath))
+
+    def _remove_now(self, filepath: Any) -> None:
         if is_checkpoint_dir(filepath):
             if self.is_global_zero:
                 shutil.rmtree(filepath)

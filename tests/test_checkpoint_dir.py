@@ -312,3 +312,40 @@ def test_the_host_copy_holds_the_state_s_bytes_in_one_buffer_reused_until_a_shap
 def _span(staged: dict[str, torch.Tensor]) -> int:
     """The bytes from the first staged tensor's start to the last one's end."""
     return max(t.data_ptr() + t.nbytes for t in staged.values()) - min(t.data_ptr() for t in staged.values())
+
+
+def test_after_pending_waits_for_the_save_in_flight_and_never_runs_if_it_fails(group, tmp_path, monkeypatch):
+    """An older checkpoint is removed (after_pending) only once the newer one is whole: held while it is written,
+    run once it is published, at once with nothing in flight, never when the newer save fails."""
+    release, finishing = threading.Event(), threading.Event()
+    finish = FileSystemWriter.finish
+    fail = []
+
+    def held_finish(self, *args, **kwargs):
+        finishing.set()
+        assert release.wait(60)
+        if fail:
+            raise OSError("the disk went away")
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "finish", held_finish)
+    writer = CheckpointDirWriter(group, asynchronous=True)
+    ran = []
+    writer.save(a_checkpoint(), tmp_path / "step=3.ckpt")
+    writer.after_pending(lambda: ran.append((tmp_path / "step=3.ckpt").exists()))
+    assert finishing.wait(60) and ran == []
+    release.set()
+    writer.wait()
+    assert ran == [True], "run once the newer checkpoint was published"
+    writer.after_pending(lambda: ran.append("at once"))
+    assert ran == [True, "at once"]
+
+    release.clear()
+    fail.append(True)
+    writer.save(a_checkpoint(), tmp_path / "step=4.ckpt")
+    writer.after_pending(lambda: ran.append("after a failed save"))
+    writer.when_published(tmp_path / "step=4.ckpt", lambda: ran.append("linked to a failed save"))
+    release.set()
+    with pytest.raises(RuntimeError, match="the disk went away"):
+        writer.wait()
+    assert ran == [True, "at once"] and not (tmp_path / "step=4.ckpt").exists()

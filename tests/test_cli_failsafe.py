@@ -315,6 +315,26 @@ def test_the_default_checkpointing_follows_the_interval(built_callbacks):
     assert checkpoint.save_last == "link"
 
 
+def test_checkpointing_keep_keeps_the_newest_checkpoints_of_the_run(fast):
+    cli = main([*fast, "--max_steps", "5", "--checkpointing_interval", "1", "--checkpointing_keep", "2"])
+    folder = Path(cli.trainer.logger.log_dir) / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step=4.ckpt", "step=5.ckpt"]
+    assert os.readlink(folder / "last.ckpt") == "step=5.ckpt"
+
+
+def test_a_negative_checkpointing_keep_is_a_usage_error(usage_error):
+    assert usage_error(["--checkpointing_keep", "-1"]) == (
+        "error: --checkpointing_keep must be 0 (keep every checkpoint) or more, got -1"
+    )
+
+
+def test_checkpointing_keep_beside_a_configured_model_checkpoint_is_a_usage_error(built_callbacks, capsys):
+    with pytest.raises(SystemExit):
+        built_callbacks("--trainer.callbacks+=ModelCheckpoint", "--checkpointing_keep", "2")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--checkpointing_keep" in last and "save_top_k" in last
+
+
 def test_an_interval_beside_a_configured_model_checkpoint_is_a_usage_error(built_callbacks, capsys):
     with pytest.raises(SystemExit):
         built_callbacks("--trainer.callbacks+=ModelCheckpoint", "--checkpointing_interval", "5")

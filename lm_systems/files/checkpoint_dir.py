@@ -40,6 +40,7 @@ META = "meta.pt"
 MODEL, OPTIMIZER = "model", "optimizer"
 WRITE_THREADS = 4
 """Files each rank writes at once: DCP splits a rank's tensors over them."""
+WRITING, WHOLE, FAILED = "writing", "whole", "failed"  # the states of a save in flight
 
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
@@ -126,8 +127,8 @@ class CheckpointDirWriter:
 
     ``group`` is a gloo group of every rank for the save's own coordination, so that a write in the background never
     interleaves with training's collectives. ``when_published(path, action)`` runs ``action`` (on rank 0) once
-    ``path`` is whole under its own name: at once if it is not being written. An error of a background write is
-    raised by the next ``save`` or ``wait``.
+    ``path`` is whole under its own name: at once if it is not being written, never if its write failed. An error
+    of a background write is raised by the next ``save`` or ``wait``.
     """
 
     def __init__(self, group: dist.ProcessGroup, asynchronous: bool = True) -> None:
@@ -174,8 +175,20 @@ class CheckpointDirWriter:
     def when_published(self, path: str | os.PathLike, action: Callable[[], None]) -> None:
         with self._lock:
             pending = self._pending
-            if pending is not None and pending.path == Path(path).absolute() and not pending.done.is_set():
-                pending.actions.append(action)
+            if pending is not None and pending.path == Path(path).absolute() and pending.state != WHOLE:
+                if pending.state == WRITING:
+                    pending.actions.append(action)
+                return  # a save that failed is never named
+        action()
+
+    def after_pending(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (on the writing thread) once the save in flight is published, at once if none is in
+        flight, never if it fails: removing an older checkpoint waits for the newer one to be whole."""
+        with self._lock:
+            pending = self._pending
+            if pending is not None and pending.state != WHOLE:
+                if pending.state == WRITING:
+                    pending.actions.append(action)
                 return
         action()
 
@@ -194,16 +207,18 @@ class CheckpointDirWriter:
             future.result()
             self._publish(pending)
         except BaseException as error:  # raised in the main thread by wait()
-            pending.error = error
+            with self._lock:
+                pending.state, pending.actions, pending.error = FAILED, [], error
         finally:
             pending.done.set()
 
     def _publish(self, pending: _PendingSave) -> None:
-        """Rank 0, once DCP has gathered every rank's write (its metadata is written after them): rename, then act."""
+        """Rank 0, once DCP has gathered every rank's write (its metadata is written after them): rename, then act.
+        An action asked for from now on runs at once (the state changes with the list taken, under the lock)."""
         if self.rank == 0:
             _rename_directory(pending.temporary, pending.path)
         with self._lock:
-            actions, pending.actions = pending.actions, []
+            actions, pending.actions, pending.state = pending.actions, [], WHOLE
         for action in actions:
             action()
 
@@ -233,6 +248,7 @@ class CheckpointDirWriter:
 class _PendingSave:
     def __init__(self, path: Path, temporary: Path) -> None:
         self.path, self.temporary = path, temporary
+        self.state = WRITING  # changed under the writer's lock, with the actions taken or dropped
         self.actions: list[Callable[[], None]] = []
         self.done = threading.Event()
         self.error: Optional[BaseException] = None

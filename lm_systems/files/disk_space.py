@@ -45,7 +45,8 @@ def require_space(path: str | os.PathLike, needed: int) -> None:
 def no_space_message(path: str | os.PathLike, needed: int, free: int) -> str:
     return (
         f"cannot write checkpoint {str(path)!r}: it needs {needed:,} bytes and its filesystem has {free:,} free; free "
-        "some space, save less often (--checkpointing_interval) or write elsewhere (--trainer.default_root_dir)"
+        "some space, save less often (--checkpointing_interval), keep fewer (--checkpointing_keep) or write elsewhere "
+        "(--trainer.default_root_dir)"
     )
 
 

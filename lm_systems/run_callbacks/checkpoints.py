@@ -26,18 +26,22 @@ from lm_systems.training.strategy_offers import StoppedTogether
 
 
 class StepCheckpoint(LinkingModelCheckpoint):
-    """ModelCheckpoint keeping ``step=N.ckpt`` every ``every_n_train_steps`` (<= 0: none) and at the end of fit.
+    """ModelCheckpoint keeping ``step=N.ckpt`` every ``every_n_train_steps`` (<= 0: none) and at the end of fit; with
+    ``keep`` > 0 only the newest ``keep`` of them.
 
     ``last.ckpt`` is a link to the newest file, replaced atomically (never a second copy). At setup, the temporary
     files of saves that were killed (kill -9) are removed from the runs beside this one.
     """
 
-    def __init__(self, every_n_train_steps: int = 0, dirpath: Optional[Union[str, Path]] = None) -> None:
+    def __init__(self, every_n_train_steps: int = 0, dirpath: Optional[Union[str, Path]] = None, keep: int = 0) -> None:
         super().__init__(
             dirpath=dirpath,
             filename="step={step}",
             auto_insert_metric_name=False,
-            save_top_k=-1,
+            # keep > 0: the newest ``keep`` by step (an older one is removed once a newer one is whole)
+            save_top_k=keep if keep > 0 else -1,
+            monitor="step" if keep > 0 else None,
+            mode="max",
             save_last="link",
             every_n_train_steps=max(every_n_train_steps, 0),
             enable_version_counter=False,  # names follow the step: a resumed run rewrites the same step's file

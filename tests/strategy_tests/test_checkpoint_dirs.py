@@ -26,6 +26,7 @@ from lm_systems.files.checkpoint_io import SafeCheckpointIO
 from lm_systems.files.consolidate import main as consolidate_main
 from lm_systems.files.host_staging import HostStager
 from lm_systems.parallel import ShardedOptimizer
+from lm_systems.run_callbacks.checkpoints import StepCheckpoint
 
 SAVED_STEP = STEPS_PER_EPOCH  # the first epoch's checkpoint
 
@@ -224,3 +225,36 @@ def test_host_buffers_are_made_before_the_first_save_and_each_save_only_copies_i
     assert {key.split("/")[0] for key in ahead} == {"model", "optimizer"}, "AdamW's state existed when staged ahead"
     for staged in saves:
         assert staged == ahead, "a save staged into buffers of its own"
+
+
+def test_keep_removes_an_older_directory_only_once_a_newer_one_is_whole(tmp_path, one_process, monkeypatch):
+    """StepCheckpoint(keep=2) under zero3: the newest two step directories stay, last.ckpt on the newest; each older
+    one is removed only after the save that replaces it has been published."""
+    whole_when_removed = []
+    remove = strategies.Zero3Strategy._remove_now
+
+    def recording_remove(self, filepath):
+        newer = sorted(tmp_path.glob("step=*.ckpt"), key=lambda p: int(p.name[5:-5]))[-1]
+        whole_when_removed.append((Path(filepath).name, newer.name, is_checkpoint_dir(newer)))
+        remove(self, filepath)
+
+    monkeypatch.setattr(strategies.Zero3Strategy, "_remove_now", recording_remove)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="zero3",
+        max_steps=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepCheckpoint(1, dirpath=tmp_path, keep=2)],
+        plugins=[SafeCheckpointIO()],
+        default_root_dir=tmp_path,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(UnitsTinyLM(), datamodule=TinyData())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=3.ckpt", "step=4.ckpt"]
+    assert all(is_checkpoint_dir(tmp_path / f"step={n}.ckpt") for n in (3, 4))
+    assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "step=4.ckpt").resolve()
+    assert whole_when_removed == [("step=1.ckpt", "step=3.ckpt", True), ("step=2.ckpt", "step=4.ckpt", True)]
