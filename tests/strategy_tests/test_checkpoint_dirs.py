@@ -196,14 +196,8 @@ class StagedBeforeEachSave(L.Callback):
         self.staged_before.append(len(RecordingStager.staged))
 
 
-def test_host_buffers_are_made_before_the_first_save_and_each_save_only_copies_into_them(
-    tmp_path, one_process, monkeypatch
-):
-    """The staging buffers of a background save exist before the loop's first save (made after the first optimizer
-    step, once AdamW's state exists): every save copies into buffers an earlier staging made, none of its own."""
-    monkeypatch.setattr(checkpoint_dir, "HostStager", RecordingStager)
-    monkeypatch.setattr(RecordingStager, "staged", [])
-    probe = StagedBeforeEachSave()
+def fit_under_zero3(tmp_path: Path, *callbacks: L.Callback) -> None:
+    """Four steps of the tiny model under zero3 in this process, checkpoints written as the callbacks say."""
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -213,12 +207,23 @@ def test_host_buffers_are_made_before_the_first_save_and_each_save_only_copies_i
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[probe, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)],
+        callbacks=list(callbacks),
         plugins=[SafeCheckpointIO()],
         default_root_dir=tmp_path,
         use_distributed_sampler=False,
     )
     trainer.fit(UnitsTinyLM(), datamodule=TinyData())
+
+
+def test_host_buffers_are_made_before_the_first_save_and_each_save_only_copies_into_them(
+    tmp_path, one_process, monkeypatch
+):
+    """The staging buffers of a background save exist before the loop's first save (made after the first optimizer
+    step, once AdamW's state exists): every save copies into buffers an earlier staging made, none of its own."""
+    monkeypatch.setattr(checkpoint_dir, "HostStager", RecordingStager)
+    monkeypatch.setattr(RecordingStager, "staged", [])
+    probe = StagedBeforeEachSave()
+    fit_under_zero3(tmp_path, probe, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1))
     assert is_checkpoint_dir(tmp_path / "epoch=0-step=4.ckpt")
     assert probe.staged_before == [1, 2], "one staging ahead of the saves at steps 2 and 4, then one for each"
     ahead, *saves = RecordingStager.staged
@@ -239,21 +244,7 @@ def test_keep_removes_an_older_directory_only_once_a_newer_one_is_whole(tmp_path
         remove(self, filepath)
 
     monkeypatch.setattr(strategies.Zero3Strategy, "_remove_now", recording_remove)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy="zero3",
-        max_steps=4,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[StepCheckpoint(1, dirpath=tmp_path, keep=2)],
-        plugins=[SafeCheckpointIO()],
-        default_root_dir=tmp_path,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(UnitsTinyLM(), datamodule=TinyData())
+    fit_under_zero3(tmp_path, StepCheckpoint(1, dirpath=tmp_path, keep=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=3.ckpt", "step=4.ckpt"]
     assert all(is_checkpoint_dir(tmp_path / f"step={n}.ckpt") for n in (3, 4))
     assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "step=4.ckpt").resolve()
