@@ -8,6 +8,8 @@
 #   eight_b  configs/leaderboard_8b.yaml on the one GPU under zero3 (auto recompute, compiled), 7 steps, a save at
 #            step 4: 48.8 GB, so the disk (64 GiB) refuses the end of fit's second one in one line (exit 1), after the
 #            step clock is written
+#   eight_b_twice  the same 8B run twice without saves: whether an uninterrupted run repeats its losses to the bit
+#            (the resumed 8B run's first step did; its next two differed by 1e-5)
 #   summary  the pause per save (the interval after a saving step less the median interval), step 1's interval
 #            (the staging buffers are made after its optimizer step, not in the first save), peak RSS, bytes
 #            on disk against the state's, the resumed losses against the uninterrupted ones
@@ -50,6 +52,14 @@ for stage in "${STAGES[@]}"; do
             --trainer.callbacks+=tests.step_clock.StepClock --trainer.callbacks.out "$OUT/eight_b.json"
         grep -E "speed|memory|^error" "$OUT/eight_b.log" | sed "s/^/eight_b: /" | tee -a "$OUT/summary.txt"
         ;;
+    eight_b_twice)
+        for twin in a b; do
+            run "eight_b_$twin" 300 python train.py -c configs/leaderboard_8b.yaml --trainer.devices 1 \
+                --trainer.strategy zero3 --trainer.max_steps 7 --trainer.enable_progress_bar false \
+                --trainer.default_root_dir "$RUNS/eight_b_$twin" \
+                --trainer.callbacks+=tests.step_clock.StepClock --trainer.callbacks.out "$OUT/eight_b_$twin.json"
+        done
+        ;;
     nosave)
         run nosave 180 "${RUN[@]}" --trainer.enable_checkpointing false --trainer.default_root_dir "$RUNS/nosave" \
             --trainer.callbacks.out "$OUT/nosave.json"
@@ -89,6 +99,10 @@ if "eight_b" in clock:  # the steps after the first (compiling, the staging buff
     print(f"8B: step 4's save paused the loop {record['intervals_s'][index] - median:.3f} s "
           f"(interval {record['intervals_s'][index]:.3f} s, median of the others {median:.3f} s, "
           f"step 1, compiled and the staging buffers made: {record['intervals_s'][0]:.3f} s)")
+twins = [out / f"eight_b_{twin}.json" for twin in "ab"]
+if all(twin.exists() for twin in twins):
+    a, b = (json.loads(twin.read_text())["losses"] for twin in twins)
+    print("8B twice, losses:", a, b, "equal:", a == b)
 directory = next(runs.glob("save/logs/*/version_*/checkpoints/step=10.ckpt"), None)
 if directory is not None:
     from lm_systems.files.checkpoint_dir import stored_tensors
@@ -107,7 +121,7 @@ if {"save", "resume"} <= clock.keys():
 PY
         ;;
     *)
-        echo "unknown stage $stage (save, nosave, resume, eight_b, summary)"; exit 2
+        echo "unknown stage $stage (save, nosave, resume, eight_b, eight_b_twice, summary)"; exit 2
         ;;
     esac
 done
