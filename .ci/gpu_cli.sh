@@ -5,17 +5,17 @@
 #               with --accelerator cpu (exit 2), and a 3-step tiny run in bf16-mixed on the GPU (exit 0, its summary)
 #   strategies  tests/test_train_py_gpu.py's 28 runs of every strategy in every precision through train.py, in two
 #               halves at once
-#   rest        the rest of tests/test_train_py_gpu.py: the default run, compiled, flash_triton, an exact resume,
-#               every shipped config
+#   rest        the rest of tests/test_train_py_gpu.py: the default run, compiled, flash_triton, an exact resume
+#   configs     every shipped config for 12 steps but the large ones; configs_large: 2.7b, xl, the 8B, long context
 #
-#   .ci/gpu_cli.sh door strategies    # one stage or more a call; all three without arguments
+#   .ci/gpu_cli.sh rest configs       # one stage or more a call; all five without arguments
 # Writes logs and junit xml under $OUT (./gpu_cli_out without it): door's in a few minutes, each other stage under 10.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_NAME=gpu_cli_out source .ci/gpu_stages.sh  # $OUT; the wheels the GPU image lacks; record_versions; run
 export PYTHONPATH=.
 STAGES=("$@")
-[ $# -eq 0 ] && STAGES=(door strategies rest)
+[ $# -eq 0 ] && STAGES=(door strategies rest configs configs_large)
 record_versions
 
 for stage in "${STAGES[@]}"; do
@@ -41,10 +41,16 @@ for stage in "${STAGES[@]}"; do
         ;;
     rest)
         run rest_gpu 590 python -m pytest -q -p no:cacheprovider tests/test_train_py_gpu.py \
-            -k "not strategy_and_precision" --junitxml="$OUT/rest_gpu.xml"
+            -k "not strategy_and_precision and not shipped_config" --junitxml="$OUT/rest_gpu.xml"
+        ;;
+    configs | configs_large)  # the shipped configs, the large ones (2.7b, xl, the 8B, long context) on their own
+        large="2.7b or xl or leaderboard or long_context"
+        [ "$stage" = configs ] && which="not ($large)" || which="$large"
+        run "${stage}_gpu" 590 python -m pytest -q -p no:cacheprovider tests/test_train_py_gpu.py \
+            -k "shipped_config and ($which)" --junitxml="$OUT/${stage}_gpu.xml"
         ;;
     *)
-        echo "unknown stage $stage (door, strategies, rest)"; exit 2
+        echo "unknown stage $stage (door, strategies, rest, configs, configs_large)"; exit 2
         ;;
     esac
 done

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lm_systems.files.checkpoint_io import read_checkpoint
@@ -148,9 +149,13 @@ def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ended(
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_shipped_config(config, tmp_path, cache_dir, train_py):
     """Each shipped config for a few steps at its own size and precision (TinyStories' data swapped for the
-    generated corpus: nothing is downloaded here); the loss must fall within those steps. No checkpoints:
+    generated corpus: nothing is downloaded here; a config's devices cut to the GPUs there are); the loss must fall
+    within those steps. No checkpoints:
     the 2.7b one alone would take 40 GB of the test machine's disk."""
     data = ["--data.corpus", "generated"] if config == "tinystories.yaml" else []
+    wanted = (yaml.safe_load((REPO / "configs" / config).read_text()).get("trainer") or {}).get("devices")
+    if isinstance(wanted, int) and wanted > torch.cuda.device_count():  # the 8B config's two GPUs, on one
+        data += ["--trainer.devices", str(torch.cuda.device_count())]
     run(
         train_py,
         tmp_path,
