@@ -152,10 +152,10 @@ def test_shipped_config(config, tmp_path, cache_dir, train_py):
     generated corpus: nothing is downloaded here; a config's devices cut to the GPUs there are); the loss must fall
     within those steps. No checkpoints:
     the 2.7b one alone would take 40 GB of the test machine's disk."""
-    data = ["--data.corpus", "generated"] if config == "tinystories.yaml" else []
+    extra = ["--data.corpus", "generated"] if config == "tinystories.yaml" else []
     wanted = (yaml.safe_load((REPO / "configs" / config).read_text()).get("trainer") or {}).get("devices")
     if isinstance(wanted, int) and wanted > torch.cuda.device_count():  # the 8B config's two GPUs, on one
-        data += ["--trainer.devices", str(torch.cuda.device_count())]
+        extra += ["--trainer.devices", str(torch.cuda.device_count())]
     run(
         train_py,
         tmp_path,
@@ -163,7 +163,7 @@ def test_shipped_config(config, tmp_path, cache_dir, train_py):
         "-c",
         str(REPO / "configs" / config),
         *SHORT,
-        *data,
+        *extra,
         "--max_steps",
         "12",
         "--model.warmup_steps",
