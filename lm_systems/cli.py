@@ -219,16 +219,16 @@ class LMCLI(CommandLineOverCheckpointCLI):
                 self.parser.error(f"--checkpointing_keep must be 0 (keep every checkpoint) or more, got {keep}")
             if not _has(callbacks, ModelCheckpoint):
                 callbacks.append(StepCheckpoint(interval, keep=keep))
-            elif interval > 0 or keep > 0:
-                flag, there = (
-                    ("--checkpointing_interval", "every_n_train_steps")
-                    if interval > 0
-                    else ("--checkpointing_keep", "save_top_k")
-                )
-                self.parser.error(
-                    f"{flag} is set and trainer.callbacks has its own ModelCheckpoint: "
-                    f"set {there} there, or drop one of the two"
-                )
+            else:
+                for flag, value, there in (
+                    ("--checkpointing_interval", interval, "every_n_train_steps"),
+                    ("--checkpointing_keep", keep, "save_top_k"),
+                ):
+                    if value > 0:
+                        self.parser.error(
+                            f"{flag} is set and trainer.callbacks has its own ModelCheckpoint: "
+                            f"set {there} there, or drop one of the two"
+                        )
             callbacks.append(CrashCheckpoint())
         bar = self._progress_bar
         if bar and trainer_config.get("enable_progress_bar") is not False and not _has(callbacks, ProgressBar):

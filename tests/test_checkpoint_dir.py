@@ -346,6 +346,9 @@ def test_after_pending_waits_for_the_save_in_flight_and_never_runs_if_it_fails(g
     writer.after_pending(lambda: ran.append("after a failed save"))
     writer.when_published(tmp_path / "step=4.ckpt", lambda: ran.append("linked to a failed save"))
     release.set()
+    assert writer._pending.done.wait(60)  # failed, not yet waited for: still the save in flight
+    writer.after_pending(lambda: ran.append("asked after the failure"))
+    writer.when_published(tmp_path / "step=4.ckpt", lambda: ran.append("named after the failure"))
     with pytest.raises(RuntimeError, match="the disk went away"):
         writer.wait()
     assert ran == [True, "at once"] and not (tmp_path / "step=4.ckpt").exists()

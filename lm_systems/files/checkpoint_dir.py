@@ -173,20 +173,19 @@ class CheckpointDirWriter:
             self._stager.stage(split_checkpoint(checkpoint)[0])
 
     def when_published(self, path: str | os.PathLike, action: Callable[[], None]) -> None:
-        with self._lock:
-            pending = self._pending
-            if pending is not None and pending.path == Path(path).absolute() and pending.state != WHOLE:
-                if pending.state == WRITING:
-                    pending.actions.append(action)
-                return  # a save that failed is never named
-        action()
+        self._when_whole(action, Path(path).absolute())
 
     def after_pending(self, action: Callable[[], None]) -> None:
         """Run ``action`` (on the writing thread) once the save in flight is published, at once if none is in
         flight, never if it fails: removing an older checkpoint waits for the newer one to be whole."""
+        self._when_whole(action, None)
+
+    def _when_whole(self, action: Callable[[], None], path: Optional[Path]) -> None:
+        """``action`` once the save in flight (the one to ``path``, any without) is published: queued while it is
+        written, dropped if it failed, at once if there is none."""
         with self._lock:
             pending = self._pending
-            if pending is not None and pending.state != WHOLE:
+            if pending is not None and pending.state != WHOLE and path in (None, pending.path):
                 if pending.state == WRITING:
                     pending.actions.append(action)
                 return

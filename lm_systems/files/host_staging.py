@@ -37,7 +37,6 @@ class HostStager(AsyncStager):
         self.group = group
         self.pinned = pinned
         self._ranks = dist.get_process_group_ranks(group)
-        self._layout: list[tuple[str, torch.Size, torch.dtype]] = []
         self._registered: int | None = None  # the address of the page-locked mapping
         self._views: dict[str, torch.Tensor] = {}
         self._host_mesh: DeviceMesh | None = None
@@ -48,8 +47,8 @@ class HostStager(AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         local = {key: value.to_local() if isinstance(value, DTensor) else value for key, value in state_dict.items()}
-        layout = [(key, tensor.shape, tensor.dtype) for key, tensor in local.items()]
-        if layout != self._layout:
+        layout = _layout(local)
+        if layout != _layout(self._views):
             self._allocate(layout)
         for key, tensor in local.items():
             self._views[key].copy_(tensor.detach(), non_blocking=self.pinned)
@@ -82,12 +81,11 @@ class HostStager(AsyncStager):
             else:
                 self._views[key] = torch.empty(shape, dtype=dtype)
             offset += place
-        self._layout = layout
 
     def _release(self) -> None:
         """Unlock the mapping; it is unmapped once the last tensor over it (a save being written) is gone."""
         address, self._registered = self._registered, None
-        self._views, self._layout = {}, []
+        self._views = {}
         if address is not None:
             _check_cuda(torch.cuda.cudart().cudaHostUnregister(address), "cudaHostUnregister")
 
@@ -113,6 +111,10 @@ class HostStager(AsyncStager):
         if self._host_mesh is None:
             self._host_mesh = DeviceMesh.from_group(self.group, "cpu")
         return self._host_mesh
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Size, torch.dtype]]:
+    return [(key, tensor.shape, tensor.dtype) for key, tensor in tensors.items()]
 
 
 def _check_cuda(code: Any, call: str) -> None:
