@@ -5,6 +5,8 @@
 #   budget        keep_attention (the config's policy before auto) against auto at --model.memory_budget $BUDGET (0.9
 #                 without it), one run each: s a step and peak allocated / reserved per run (about 6 min on a fresh
 #                 machine; on one H200, 2026-12-01: 4.93 s at 68.3 GiB against 4.57 s at 122.9 GiB)
+#   keep_attention, auto  the budget stage's two runs one at a time: with ATTENTION=flash_triton each compiles and
+#                 tunes our kernels for 3-3.5 min before its first step (H200, 2026-12-02), so they take a call each
 #   oom           --model.activation_checkpointing none, eager, runs out of memory in the first forward: exit 1, one
 #                 error line, no traceback (about 30 s)
 #   torch_budget  torch's own partitioner budget instead: none + torch._functorch.config.activation_memory_budget
@@ -13,8 +15,8 @@
 #   xl, 2.7b      configs/<size>.yaml on the one GPU under each fixed policy and auto (the issue's "auto never slower
 #                 than the fastest fixed policy that fits"; about 6-9 min a size: a call each)
 #
-#   .ci/gpu_memory_budget.sh budget oom     # stages in order, each under its own time limit (both: at most 8 min)
-#   ATTENTION=flash_triton .ci/gpu_memory_budget.sh budget   # the same two policies with our attention
+#   .ci/gpu_memory_budget.sh budget oom     # stages in order, each under its own time limit (about 7 min with SDPA)
+#   ATTENTION=flash_triton .ci/gpu_memory_budget.sh keep_attention   # then auto in a second call: our attention
 # Writes each run's log and $OUT/summary.txt (s a step, peak; ./gpu_memory_budget_out without OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +39,11 @@ step8b() {  # step8b NAME LIMIT STEPS FLAGS...: one train.py run of the 8B; its 
 
 for stage in "${STAGES[@]}"; do
     case $stage in
-    budget)
+    budget | keep_attention | auto)
         # the first run on a fresh machine compiles from empty caches: over 3 minutes at 8B (2026-12-01)
-        step8b keep_attention 260 4 --model.activation_checkpointing keep_attention
-        step8b "auto_$BUDGET" 200 4 --model.activation_checkpointing auto --model.memory_budget "$BUDGET"
+        [ "$stage" = auto ] || step8b keep_attention 330 4 --model.activation_checkpointing keep_attention
+        [ "$stage" = keep_attention ] \
+            || step8b "auto_$BUDGET" 300 4 --model.activation_checkpointing auto --model.memory_budget "$BUDGET"
         ;;
     oom)
         step8b oom_none 120 2 --model.activation_checkpointing none --model.compile false  # eager: out of memory in the first forward, not after a compile
@@ -73,7 +76,7 @@ runpy.run_path('train.py', run_name='__main__')
         done
         ;;
     *)
-        echo "unknown stage $stage (budget, oom, torch_budget, xl, 2.7b)"; exit 2
+        echo "unknown stage $stage (budget, keep_attention, auto, oom, torch_budget, xl, 2.7b)"; exit 2
         ;;
     esac
 done
