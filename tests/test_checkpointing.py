@@ -42,7 +42,14 @@ def fail(module: L.LightningModule) -> None:
     raise RuntimeError("planted failure")
 
 
-def fit(tmp_path: Path, max_steps: int, interval: int, callbacks: tuple[L.Callback, ...] = ()) -> L.Trainer:
+def fit(
+    tmp_path: Path,
+    max_steps: int,
+    interval: int,
+    callbacks: tuple[L.Callback, ...] = (),
+    ckpt_path: Path | None = None,
+    **trainer_options,
+) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
@@ -51,8 +58,9 @@ def fit(tmp_path: Path, max_steps: int, interval: int, callbacks: tuple[L.Callba
         enable_model_summary=False,
         callbacks=[*callbacks, StepCheckpoint(interval, dirpath=str(tmp_path)), CrashCheckpoint()],
         plugins=[SafeCheckpointIO()],
+        **trainer_options,
     )
-    trainer.fit(RandomWindowsLM())
+    trainer.fit(RandomWindowsLM(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -66,6 +74,17 @@ def test_step_files_every_interval_and_at_the_end_with_last_as_a_link(tmp_path):
     last = tmp_path / "last.ckpt"
     assert last.is_symlink() and os.readlink(last) == "step=5.ckpt", "last.ckpt must link the newest file, not copy it"
     assert step_of(last) == 5
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_resumed_run_does_not_save_again_the_step_it_resumed_from(tmp_path, accumulate):
+    """Its first micro-batch ends at the resumed step; accumulating, no optimizer step has moved it yet, and that
+    step is the checkpoint the run started from: writing it again is a whole checkpoint's I/O for nothing."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    fit(first, max_steps=2, interval=2, accumulate_grad_batches=accumulate)
+    fit(resumed, max_steps=4, interval=2, ckpt_path=first / "step=2.ckpt", accumulate_grad_batches=accumulate)
+    assert sorted(p.name for p in resumed.iterdir()) == ["last.ckpt", "step=4.ckpt"]
+    assert step_of(resumed / "step=4.ckpt") == 4
 
 
 def killed_writer_pid() -> int:

@@ -131,9 +131,16 @@ class CommandLineOverCheckpointCLI(LightningCLI):
 
 
 class LinkingModelCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint with two of its private steps under public names: ``save_step`` saves the current step as a
-    step that meets ``every_n_train_steps`` would be saved, and ``link_checkpoint`` (which a subclass may override)
-    points ``last.ckpt`` at the newest file under ``save_last="link"``."""
+    """ModelCheckpoint with three of its private steps under public names: ``save_step`` saves the current step as a
+    step that meets ``every_n_train_steps`` would be saved, ``count_as_saved`` marks the current step as saved, and
+    ``link_checkpoint`` (which a subclass may override) points ``last.ckpt`` at the newest file under
+    ``save_last="link"``."""
+
+    def count_as_saved(self, trainer: Trainer) -> None:
+        """The current step counts as saved: ``every_n_train_steps`` and ``save_step`` skip it. (ModelCheckpoint's
+        state does not carry its last saved step, so without this a resumed run saves the step it resumed from
+        again at the end of its first micro-batch when it accumulates gradients.)"""
+        self._last_global_step_saved = trainer.global_step
 
     def save_step(self, trainer: Trainer) -> None:
         """Save the current step (and ``last.ckpt``), unless it was just saved or the trainer is not saving."""

@@ -70,6 +70,11 @@ class StepCheckpoint(LinkingModelCheckpoint):
                 rank_zero_info(f"removed {path}, left by a save that was killed")
 
     @override
+    def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        super().on_train_start(trainer, pl_module)
+        self.count_as_saved(trainer)  # resumed: its step is the checkpoint resumed from, not one to write again
+
+    @override
     def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         self.save_step(trainer)  # the final step, unless it was just saved
 

@@ -176,6 +176,30 @@ def test_the_checkpoint_base_reaches_modelcheckpoints_save_and_link_steps(tmp_pa
     )
 
 
+def test_a_step_counted_as_saved_is_skipped_by_modelcheckpoint(tmp_path):
+    uses(ModelCheckpoint, "_should_skip_saving_checkpoint", "self._last_global_step_saved == trainer.global_step")
+
+    class CountsStepOneAsSaved(compat.LinkingModelCheckpoint):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 1:
+                self.count_as_saved(trainer)
+            super().on_train_batch_end(trainer, *args)
+
+    checkpoint = CountsStepOneAsSaved(
+        dirpath=tmp_path, filename="step={step}", save_top_k=-1, every_n_train_steps=1, auto_insert_metric_name=False
+    )
+    L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        callbacks=[checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(Recorder())
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert saved == ["step=2.ckpt"], broken("ModelCheckpoint._last_global_step_saved")
+
+
 def test_the_strategy_base_replaces_ddps_wrapper_and_hooks():
     private_method(DDPStrategy, "_setup_model")
     private_method(DDPStrategy, "_register_ddp_hooks")
