@@ -119,6 +119,9 @@ class CheckpointDirStrategy(PublishedCheckpoints):
                 "optimizer_states": [self.optimizer_state(optimizer) for optimizer in self.optimizers],
             }
             self._writer.allocate_host_buffers(checkpoint)
+            folder = getattr(self.lightning_module.trainer.checkpoint_callback, "dirpath", None)
+            if folder is not None:
+                self._writer.check_room(folder, checkpoint)  # now, not after training up to the first save
         return result
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

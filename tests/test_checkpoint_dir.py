@@ -352,3 +352,26 @@ def test_after_pending_waits_for_the_save_in_flight_and_never_runs_if_it_fails(g
     with pytest.raises(RuntimeError, match="the disk went away"):
         writer.wait()
     assert ran == [True, "at once"] and not (tmp_path / "step=4.ckpt").exists()
+
+
+def test_the_disk_check_waits_for_the_save_in_flight(group, tmp_path, monkeypatch):
+    """Its collectives share the writer's group with the writing thread's: run beside them, two ranks may meet them
+    in different orders and hang (a resumed run did, while it saved again the step it had resumed from)."""
+    release = threading.Event()
+    finish = FileSystemWriter.finish
+
+    def held_finish(self, *args, **kwargs):
+        assert release.wait(60)
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "finish", held_finish)
+    writer = CheckpointDirWriter(group, asynchronous=True)
+    path = tmp_path / "step=3.ckpt"
+    writer.save(a_checkpoint(), path)
+    check = threading.Thread(target=writer.check_room, args=(tmp_path, a_checkpoint()))
+    check.start()
+    check.join(1.0)
+    assert check.is_alive(), "checked while the save was being written"
+    release.set()
+    check.join(60)
+    assert not check.is_alive() and is_checkpoint_dir(path)

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lm_systems.errors import RunError
-from lm_systems.files.disk_space import free_bytes, no_space_message, tensor_bytes
+from lm_systems.files.disk_space import free_bytes, no_room_message, no_space_message, tensor_bytes
 from lm_systems.files.host_staging import HostStager
 
 META = "meta.pt"
@@ -226,15 +226,30 @@ class CheckpointDirWriter:
         dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
         return path.with_name(name[0])
 
+    def check_room(self, folder: str | os.PathLike, checkpoint: dict[str, Any]) -> None:
+        """A collective: a RunError on every rank if ``folder``'s disk cannot hold one checkpoint of ``checkpoint``'s
+        tensors, so that a run does not train only to fail at its first save. A save in flight is waited for first:
+        its writing thread runs collectives on the same group, and two threads' collectives on one group may meet
+        in different orders on different ranks (a hang)."""
+        self.wait()
+        needed, free, short = self._room(Path(folder), tensor_bytes(split_checkpoint(checkpoint)[0]))
+        if short:
+            raise RunError(no_room_message(folder, needed, free))
+
     def _check_space(self, path: Path, mine: int) -> None:
         """Every rank's bytes summed; refused on every rank, before anything is written, if the disk lacks them."""
+        needed, free, short = self._room(path.parent, mine)
+        if short:
+            raise RunError(no_space_message(path, needed, free))
+
+    def _room(self, folder: Path, mine: int) -> tuple[int, int, bool]:
+        """Every rank's bytes summed, this rank's free bytes in ``folder``, and whether any rank lacks room."""
         needed = torch.tensor([mine], dtype=torch.int64)
         dist.all_reduce(needed, group=self.group)
-        free = free_bytes(path.parent)
+        free = free_bytes(folder)
         short = torch.tensor([int(needed.item() > free)], dtype=torch.int64)
         dist.all_reduce(short, op=dist.ReduceOp.MAX, group=self.group)
-        if short.item():
-            raise RunError(no_space_message(path, int(needed.item()), free))
+        return int(needed.item()), free, bool(short.item())
 
     def close(self) -> None:
         """Wait for the save in flight (teardown: the process group is still whole); free the staging buffers."""

@@ -50,6 +50,14 @@ def no_space_message(path: str | os.PathLike, needed: int, free: int) -> str:
     )
 
 
+def no_room_message(folder: str | os.PathLike, needed: int, free: int) -> str:
+    return (
+        f"checkpoints of this run need {needed:,} bytes each and the filesystem of {str(folder)!r} has {free:,} free: "
+        "its first save would fail; free some space, write elsewhere (--trainer.default_root_dir) or train without "
+        "checkpoints (--trainer.enable_checkpointing false)"
+    )
+
+
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value

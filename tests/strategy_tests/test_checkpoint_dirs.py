@@ -20,6 +20,7 @@ from strategy_workers import STEPS_PER_EPOCH, TinyData
 from torch.distributed.tensor import DTensor
 
 import strategies
+from lm_systems.errors import RunError
 from lm_systems.files import checkpoint_dir
 from lm_systems.files.checkpoint_dir import is_checkpoint_dir, read_whole
 from lm_systems.files.checkpoint_io import SafeCheckpointIO
@@ -249,3 +250,21 @@ def test_keep_removes_an_older_directory_only_once_a_newer_one_is_whole(tmp_path
     assert all(is_checkpoint_dir(tmp_path / f"step={n}.ckpt") for n in (3, 4))
     assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "step=4.ckpt").resolve()
     assert whole_when_removed == [("step=1.ckpt", "step=3.ckpt", True), ("step=2.ckpt", "step=4.ckpt", True)]
+
+
+def test_a_disk_that_cannot_hold_one_checkpoint_stops_the_run_at_its_first_step(tmp_path, one_process, monkeypatch):
+    """Known once AdamW's state exists (after the first optimizer step): a run whose checkpoints cannot fit stops
+    then, in one line naming the bytes and the flags, instead of training up to its first save and failing there."""
+    monkeypatch.setattr(checkpoint_dir, "free_bytes", lambda folder: 1000)
+    steps = []
+
+    class Steps(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            steps.append(trainer.global_step)
+
+    with pytest.raises(RunError) as error:
+        fit_under_zero3(tmp_path, Steps(), StepCheckpoint(100, dirpath=tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "has 1,000 free" in message and "--trainer.enable_checkpointing false" in message
+    assert steps == [], "stopped in the first step, before its batch ended"
+    assert not list(tmp_path.glob("step=*")), "nothing written"
