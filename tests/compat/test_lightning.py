@@ -131,6 +131,17 @@ def test_the_cli_base_skips_lightnings_checkpoint_hyperparameter_parsing():
     called_in(LightningCLI, "__init__", "_parse_ckpt_path")
 
 
+def fit_with_checkpoint(checkpoint: ModelCheckpoint, max_steps: int) -> None:
+    L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        callbacks=[checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(Recorder())
+
+
 def test_the_checkpoint_base_reaches_modelcheckpoints_save_and_link_steps(tmp_path):
     for name in (
         "_should_skip_saving_checkpoint",
@@ -160,14 +171,7 @@ def test_the_checkpoint_base_reaches_modelcheckpoints_save_and_link_steps(tmp_pa
         every_n_train_steps=2,
         auto_insert_metric_name=False,
     )
-    L.Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        logger=False,
-        callbacks=[checkpoint],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(Recorder())
+    fit_with_checkpoint(checkpoint, max_steps=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"], broken(
         "ModelCheckpoint's saving steps"
     )
@@ -188,14 +192,7 @@ def test_a_step_counted_as_saved_is_skipped_by_modelcheckpoint(tmp_path):
     checkpoint = CountsStepOneAsSaved(
         dirpath=tmp_path, filename="step={step}", save_top_k=-1, every_n_train_steps=1, auto_insert_metric_name=False
     )
-    L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        callbacks=[checkpoint],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(Recorder())
+    fit_with_checkpoint(checkpoint, max_steps=2)
     saved = sorted(p.name for p in tmp_path.iterdir())
     assert saved == ["step=2.ckpt"], broken("ModelCheckpoint._last_global_step_saved")
 
