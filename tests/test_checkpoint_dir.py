@@ -354,9 +354,8 @@ def test_after_pending_waits_for_the_save_in_flight_and_never_runs_if_it_fails(g
     assert ran == [True, "at once"] and not (tmp_path / "step=4.ckpt").exists()
 
 
-def test_the_disk_check_waits_for_the_save_in_flight(group, tmp_path, monkeypatch):
-    """Its collectives share the writer's group with the writing thread's: run beside them, two ranks may meet them
-    in different orders and hang (a resumed run did, while it saved again the step it had resumed from)."""
+def hold_writes(monkeypatch) -> threading.Event:
+    """Each save's write holds before its metadata until the returned event is set."""
     release = threading.Event()
     finish = FileSystemWriter.finish
 
@@ -365,6 +364,13 @@ def test_the_disk_check_waits_for_the_save_in_flight(group, tmp_path, monkeypatc
         return finish(self, *args, **kwargs)
 
     monkeypatch.setattr(FileSystemWriter, "finish", held_finish)
+    return release
+
+
+def test_the_disk_check_waits_for_the_save_in_flight(group, tmp_path, monkeypatch):
+    """Its collectives share the writer's group with the writing thread's: run beside them, two ranks may meet them
+    in different orders and hang (a resumed run did, while it saved again the step it had resumed from)."""
+    release = hold_writes(monkeypatch)
     writer = CheckpointDirWriter(group, asynchronous=True)
     path = tmp_path / "step=3.ckpt"
     writer.save(a_checkpoint(), path)
@@ -375,3 +381,15 @@ def test_the_disk_check_waits_for_the_save_in_flight(group, tmp_path, monkeypatc
     release.set()
     check.join(60)
     assert not check.is_alive() and is_checkpoint_dir(path)
+
+
+def test_a_collective_on_the_writers_group_during_a_save_is_an_error_not_a_hang(group, tmp_path, monkeypatch):
+    release = hold_writes(monkeypatch)
+    writer = CheckpointDirWriter(group, asynchronous=True)
+    writer.save(a_checkpoint(), tmp_path / "step=3.ckpt")
+    try:
+        with pytest.raises(RuntimeError, match="while .*step=3.ckpt is written"):
+            writer._room(tmp_path, 1)  # what check_room and save do after waiting for the save in flight
+    finally:
+        release.set()
+        writer.wait()

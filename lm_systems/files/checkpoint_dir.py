@@ -221,7 +221,14 @@ class CheckpointDirWriter:
         for action in actions:
             action()
 
+    def _nothing_in_flight(self) -> None:
+        """Before a collective of the main thread on the writer's group: the writing thread's collectives of a save in
+        flight could meet it in another order on another rank, a hang; an error names the bug instead."""
+        if self._pending is not None:
+            raise RuntimeError(f"a collective on the checkpoint writer's group while {self._pending.path} is written")
+
     def _temporary_name(self, path: Path) -> Path:
+        self._nothing_in_flight()
         name = [f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
         dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
         return path.with_name(name[0])
@@ -244,6 +251,7 @@ class CheckpointDirWriter:
 
     def _room(self, folder: Path, mine: int) -> tuple[int, int, bool]:
         """Every rank's bytes summed, this rank's free bytes in ``folder``, and whether any rank lacks room."""
+        self._nothing_in_flight()
         needed = torch.tensor([mine], dtype=torch.int64)
         dist.all_reduce(needed, group=self.group)
         free = free_bytes(folder)
