@@ -63,7 +63,7 @@ class CheckpointDirStrategy(PublishedCheckpoints):
         self._checkpoint_timeout = timeout
         self._writer: Optional[CheckpointDirWriter] = None
         self._restored_from_directory = False
-        self._host_buffers_pending = False
+        self._first_step_pending = False
 
     # -- the layout: overridden by strategies that shard --------------------------------------------------------
 
@@ -104,21 +104,19 @@ class CheckpointDirStrategy(PublishedCheckpoints):
         if self._writer is None:
             group = dist.new_group(backend="gloo", timeout=self._checkpoint_timeout)  # every rank, from setup
             self._writer = CheckpointDirWriter(group, asynchronous=self._async_save)
-        # A run that saves directories in the background makes its staging buffers after its first optimizer step
-        # (AdamW creates its state there), not inside its first save.
-        self._host_buffers_pending = (
-            self.writes_directories and self._writer.asynchronous and bool(trainer.checkpoint_callbacks)
-        )
+        # A run that saves directories checks its disk and (saving in the background) makes its staging buffers after
+        # its first optimizer step, once AdamW has created its state: not at its first save.
+        self._first_step_pending = self.writes_directories and bool(trainer.checkpoint_callbacks)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._host_buffers_pending:
-            self._host_buffers_pending = False
+        if self._first_step_pending:
+            self._first_step_pending = False
             checkpoint = {
                 "state_dict": self.lightning_module_state_dict(),
                 "optimizer_states": [self.optimizer_state(optimizer) for optimizer in self.optimizers],
             }
-            self._writer.allocate_host_buffers(checkpoint)
+            self._writer.allocate_host_buffers(checkpoint)  # nothing without background saves
             folder = getattr(self.lightning_module.trainer.checkpoint_callback, "dirpath", None)
             if folder is not None:
                 self._writer.check_room(folder, checkpoint)  # now, not after training up to the first save

@@ -197,12 +197,12 @@ class StagedBeforeEachSave(L.Callback):
         self.staged_before.append(len(RecordingStager.staged))
 
 
-def fit_under_zero3(tmp_path: Path, *callbacks: L.Callback) -> None:
+def fit_under_zero3(tmp_path: Path, *callbacks: L.Callback, async_save: bool = True) -> None:
     """Four steps of the tiny model under zero3 in this process, checkpoints written as the callbacks say."""
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy="zero3",
+        strategy=strategies.Zero3Strategy(async_save=async_save),
         max_steps=4,
         limit_val_batches=0,
         logger=False,
@@ -252,9 +252,13 @@ def test_keep_removes_an_older_directory_only_once_a_newer_one_is_whole(tmp_path
     assert whole_when_removed == [("step=1.ckpt", "step=3.ckpt", True), ("step=2.ckpt", "step=4.ckpt", True)]
 
 
-def test_a_disk_that_cannot_hold_one_checkpoint_stops_the_run_at_its_first_step(tmp_path, one_process, monkeypatch):
+@pytest.mark.parametrize("async_save", [True, False], ids=["in the background", "in the loop"])
+def test_a_disk_that_cannot_hold_one_checkpoint_stops_the_run_at_its_first_step(
+    tmp_path, one_process, monkeypatch, async_save
+):
     """Known once AdamW's state exists (after the first optimizer step): a run whose checkpoints cannot fit stops
-    then, in one line naming the bytes and the flags, instead of training up to its first save and failing there."""
+    then, in one line naming the bytes and the flags, instead of training up to its first save and failing there;
+    whether it saves in the background or not."""
     monkeypatch.setattr(checkpoint_dir, "free_bytes", lambda folder: 1000)
     steps = []
 
@@ -263,7 +267,7 @@ def test_a_disk_that_cannot_hold_one_checkpoint_stops_the_run_at_its_first_step(
             steps.append(trainer.global_step)
 
     with pytest.raises(RunError) as error:
-        fit_under_zero3(tmp_path, Steps(), StepCheckpoint(100, dirpath=tmp_path))
+        fit_under_zero3(tmp_path, Steps(), StepCheckpoint(100, dirpath=tmp_path), async_save=async_save)
     message = str(error.value)
     assert "\n" not in message and "has 1,000 free" in message and "--trainer.enable_checkpointing false" in message
     assert steps == [], "stopped in the first step, before its batch ended"
