@@ -10,8 +10,9 @@
 #   oom           --model.activation_checkpointing none, eager, runs out of memory in the first forward: exit 1, one
 #                 error line, no traceback (about 30 s)
 #   torch_budget  torch's own partitioner budget instead: none + torch._functorch.config.activation_memory_budget
-#                 0.35 under torch.compile (the whole model, one GPU), for comparison; a call of its own
-#                 (about 3 min, its knapsack over the 34 blocks' graph included)
+#                 $TORCH_BUDGET (0.35 without it: out of memory in the first backward, H200, 2026-12-02) under
+#                 torch.compile (the whole model, one GPU), for comparison; a call of its own (about 3 min, its
+#                 knapsack over the 34 blocks' graph included)
 #   xl, 2.7b      configs/<size>.yaml on the one GPU under each fixed policy and auto (the issue's "auto never slower
 #                 than the fastest fixed policy that fits"; about 6-9 min a size: a call each)
 #
@@ -23,6 +24,7 @@ cd "$(dirname "$0")/.."
 OUT_NAME=gpu_memory_budget_out source .ci/gpu_stages.sh  # $OUT; the wheels the GPU image lacks; record_versions; run
 STAGES=("${@:-budget}")
 BUDGET=${BUDGET:-0.9}  # --model.memory_budget of the budget stage's auto run
+TORCH_BUDGET=${TORCH_BUDGET:-0.35}  # torch_budget's activation_memory_budget
 ATTENTION=${ATTENTION:-}  # --model.attention of every run (flash_triton: ours); the config's without it
 record_versions
 export PYTHONPATH=.
@@ -57,11 +59,11 @@ for stage in "${STAGES[@]}"; do
         run torch_budget 240 python -c "
 import runpy, sys
 import torch._functorch.config as functorch_config
-functorch_config.activation_memory_budget = 0.35
+functorch_config.activation_memory_budget = $TORCH_BUDGET
 sys.argv = ['train.py', *sys.argv[1:]]
 runpy.run_path('train.py', run_name='__main__')
 " "${EIGHT_B[@]}" --trainer.max_steps 4 --model.activation_checkpointing none
-        grep -E "speed|memory|^error" "$OUT/torch_budget.log" | sed "s/^/torch_budget: /" | tee -a "$OUT/summary.txt"
+        grep -E "speed|memory|^error" "$OUT/torch_budget.log" | sed "s/^/torch_budget $TORCH_BUDGET: /" | tee -a "$OUT/summary.txt"
         ;;
     xl | 2.7b)
         # configs/<size>.yaml as shipped (eager, bf16-mixed, batch 8 x 4 micro-batches) on the one GPU: every fixed
