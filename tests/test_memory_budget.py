@@ -15,6 +15,7 @@ from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from lm_systems.model.memory_budget import (
     GIB,
     LEVELS,
+    kept_bytes_per_block,
     kept_bytes_per_token,
     parameter_count,
     plan_recompute,
@@ -51,6 +52,31 @@ def test_the_bytes_counted_are_the_bytes_kept(policy, shape, dtype):
     assert (kept[1] - kept[0]) // 2 == 2 * 24 * kept_bytes_per_token(config, policy, element)
 
 
+class Autocast(torch.nn.Module):
+    """A float32 model run under the CPU's bfloat16 autocast, as Lightning's bf16-mixed runs it."""
+
+    def __init__(self, model: TransformerLM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(inputs, targets)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["d32", "d48"])
+@pytest.mark.parametrize("policy", RECOMPUTE_POLICIES)
+def test_the_bytes_counted_under_autocast_are_the_bytes_kept(policy, shape):
+    """float32 parameters, bfloat16 activations: the block's float32 input, and under ``none`` its weights' casts."""
+    tokens = torch.randint(0, 61, (2, 25))
+    kept = [
+        kept_bytes(Autocast(_model(policy, torch.float32, layers, shape)), tokens, own_storages_aside=True)
+        for layers in (2, 4)
+    ]
+    predicted = kept_bytes_per_block(_model(policy, torch.float32, 1, shape).config, policy, 2 * 24, 2, 4)
+    assert (kept[1] - kept[0]) // 2 == pytest.approx(predicted, rel=0.01 if policy == "none" else 0)
+
+
 @pytest.mark.parametrize("size", ["tiny", "xl", "8b"])
 def test_the_parameters_counted_are_the_models(size):
     config = MODEL_SIZES[size]
@@ -80,6 +106,23 @@ def test_the_peak_predicted_is_the_peak_measured():
     assert _uniform_peak("keep_attention", "zero3", 2) == pytest.approx(45.6, rel=0.03)
     assert _uniform_peak("blocks", fused_loss=False, ffn_chunk_tokens=0) == pytest.approx(69.1, rel=0.15)  # over
     assert _uniform_peak("selective") > H200 / GIB and _uniform_peak("none") > H200 / GIB  # both ran out of memory
+
+
+# configs/xl.yaml and 2.7b.yaml on one H200 (2026-12-02, benchmarks/results/memory_budget_8b.md): bf16-mixed, eager,
+# batch 8 x 256 accumulated over 4 micro-batches; peak allocated GiB under each policy
+SHIPPED_PEAKS = {
+    "xl": dict(none=43.1, keep_projections=34.1, selective=34.4, keep_attention=30.6, blocks=30.3),
+    "2.7b": dict(none=67.2, keep_projections=55.3, selective=55.6, keep_attention=51.7, blocks=51.4),
+}
+
+
+@pytest.mark.parametrize("size", SHIPPED_PEAKS)
+def test_the_peak_predicted_under_autocast_and_accumulation_is_the_peak_measured(size):
+    config = ModelConfig.from_name(size, vocab_size=1004)
+    needs = memory_needs(config, 8, "bf16-mixed", "single_device", 1, accumulate=4)
+    for policy, measured in SHIPPED_PEAKS[size].items():
+        kept = kept_bytes_per_block(config, policy, 8 * 256, 2, 4)
+        assert needs.peak([kept] * config.num_layers) / GIB == pytest.approx(measured, rel=0.01), policy
 
 
 @pytest.mark.parametrize("budget_gib", [40.0, 70.0, 80.0, 100.0, 126.0, 200.0, 2000.0])

@@ -19,6 +19,7 @@ import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from lm_systems.model.config import ModelConfig
 from lm_systems.model.loss import CHUNK_LOGITS_BYTES
@@ -30,30 +31,48 @@ LEVELS = ("blocks", "keep_attention", "keep_projections", "none")
 saves no recompute)."""
 
 
-def kept_bytes_per_token(config: ModelConfig, policy: str, activation_bytes: int) -> int:
-    """Bytes a block keeps for backward per position under ``policy``, its activations ``activation_bytes`` wide.
+def kept_bytes_per_token(
+    config: ModelConfig, policy: str, activation_bytes: int, parameter_bytes: Optional[int] = None
+) -> int:
+    """Bytes a block keeps for backward per position under ``policy``, its activations ``activation_bytes`` wide and
+    its parameters ``parameter_bytes`` (the activations' width without it).
 
     Counted as eager PyTorch saves them, with SDPA's softmax statistics (float32; float64 for a float64 model). Exact
-    where parameters and activations share one dtype (tests/test_memory_budget.py measures them); under autocast the
-    residual stream is float32 and ``none`` keeps the casts of its inputs too, so there it is an estimate.
+    where parameters and activations share one dtype (tests/test_memory_budget.py measures them). Under autocast
+    (float32 parameters, narrower activations) the residual stream is float32: the block's input is kept that wide,
+    and ``none`` keeps float32 copies beside its casts (three residual-wide tensors more, as measured under the CPU's
+    autocast: tests/test_memory_budget.py); ``kept_bytes_per_block`` adds the casts of the block's weights.
     """
     D, F, e = config.d_model, config.d_ff, activation_bytes
+    widen = D * ((parameter_bytes or e) - e)  # the residual stream wider than the activations: float32 under autocast
     stats = config.num_heads * (8 if e == 8 else 4)
     if policy == "blocks":  # the block's input
-        return D * e
+        return D * e + widen
     if policy == "keep_attention":  # + the attention's output and statistics
-        return 2 * D * e + stats
+        return 2 * D * e + stats + widen
     if policy == "keep_projections":  # + the outputs of qkv (3D), out (D), w1 and w3 (F each)
-        return (6 * D + 2 * F) * e + stats
+        return (6 * D + 2 * F) * e + stats + widen
     if policy == "selective":  # + w2's (D)
-        return (7 * D + 2 * F) * e + stats
+        return (7 * D + 2 * F) * e + stats + widen
     if policy == "none":
         # Each RMSNorm: its float32 input and statistic, its normalised output and that times the weight; attention:
         # qkv, the rotated q and k, its output and statistics, the output's (B, T, D) copy; the SwiGLU: w1's and w3's
         # outputs, the SiLU and the product.
         norms = 2 * (4 * D + 4 + 2 * D * e)
-        return norms + (3 + 2 + 1 + 1) * D * e + stats + 4 * F * e
+        return norms + (3 + 2 + 1 + 1) * D * e + stats + 4 * F * e + 3 * widen
     raise ValueError(f"unknown recompute policy {policy!r}: one of {RECOMPUTE_POLICIES}")
+
+
+def kept_bytes_per_block(
+    config: ModelConfig, policy: str, tokens: int, activation_bytes: int, parameter_bytes: Optional[int] = None
+) -> int:
+    """Bytes a block keeps for backward over ``tokens`` positions: ``kept_bytes_per_token``'s, and under autocast
+    (parameters wider than the activations) a block that keeps everything (``none``) keeps the casts of its weights
+    too, which its matmuls saved (a recomputing block casts them again in its backward)."""
+    kept = tokens * kept_bytes_per_token(config, policy, activation_bytes, parameter_bytes)
+    if policy == "none" and (parameter_bytes or activation_bytes) != activation_bytes:
+        kept += block_parameter_count(config) * activation_bytes
+    return kept
 
 
 def block_parameter_count(config: ModelConfig) -> int:
@@ -93,15 +112,18 @@ class MemoryNeeds:
     block_gradient: int  # one block's gradients, made as its backward runs and held until the optimizer's step
     end_gradient: int  # the LM head's gradients (made first in backward) and the embedding's (made last), each
     transient: int  # the largest momentary need on top of all that (``transient_bytes``)
+    gradients_held: bool = False  # accumulating over micro-batches: every gradient is held from the first one on
 
     def peak(self, kept: Sequence[int]) -> int:
         """The peak of a step whose blocks keep ``kept`` bytes each, in order. Backward frees the blocks' kept
         activations from the last block down while their gradients arrive: before block i's backward, blocks 0 … i
-        still hold theirs and blocks i+1 … their gradients."""
+        still hold theirs and blocks i+1 … their gradients (every block's, and both ends', when they are held)."""
         layers, held = len(kept), list(itertools.accumulate(kept, initial=0))
-        during = max(held[i + 1] + (layers - 1 - i) * self.block_gradient for i in range(layers))
+        made = [layers if self.gradients_held else layers - 1 - i for i in range(layers)]
+        during = max(held[i + 1] + made[i] * self.block_gradient for i in range(layers))
+        ends = (2 if self.gradients_held else 1) * self.end_gradient
         after = layers * self.block_gradient + self.end_gradient  # every gradient, the embedding's included
-        return self.resident + max(during + self.end_gradient + self.transient, after + self.end_gradient)
+        return self.resident + max(during + ends + self.transient, after + self.end_gradient)
 
 
 @dataclass(frozen=True)
@@ -134,12 +156,17 @@ class RecomputePlan:
 
 
 def plan_recompute(
-    config: ModelConfig, batch_size: int, activation_bytes: int, budget: int, needs: MemoryNeeds
+    config: ModelConfig,
+    batch_size: int,
+    activation_bytes: int,
+    budget: int,
+    needs: MemoryNeeds,
+    parameter_bytes: Optional[int] = None,
 ) -> RecomputePlan:
     """Per block, the most that fits ``budget`` bytes beside ``needs`` (see the module's doc); every block ``blocks``
     where not even that fits (the plan says the predicted peak is over the budget)."""
     tokens = batch_size * config.context_length
-    per_block = [tokens * kept_bytes_per_token(config, level, activation_bytes) for level in LEVELS]
+    per_block = [kept_bytes_per_block(config, level, tokens, activation_bytes, parameter_bytes) for level in LEVELS]
     layers = config.num_layers
 
     def levels(level: int, upper: int) -> tuple[int, ...]:  # the last ``upper`` blocks one level up

@@ -39,8 +39,11 @@ def precision_bytes(precision: str) -> tuple[int, int]:
     return (4 if kind == "mixed" else activation), activation
 
 
-def memory_needs(config: ModelConfig, batch_size: int, precision: str, strategy: str, world_size: int) -> MemoryNeeds:
-    """What one GPU of this run holds besides the blocks' kept activations (the module's doc says how)."""
+def memory_needs(
+    config: ModelConfig, batch_size: int, precision: str, strategy: str, world_size: int, accumulate: int = 1
+) -> MemoryNeeds:
+    """What one GPU of this run holds besides the blocks' kept activations (the module's doc says how), its gradients
+    accumulated over ``accumulate`` micro-batches."""
     parameter, activation = precision_bytes(precision)
     count, block = parameter_count(config), block_parameter_count(config)
     end = config.vocab_size * config.d_model * parameter  # the LM head's gradient; the embedding's the same
@@ -49,10 +52,10 @@ def memory_needs(config: ModelConfig, batch_size: int, precision: str, strategy:
     if strategy in SHARDING_ALL:
         # 3: the parameters and two moments, a shard each; two blocks' parameters gathered at a time.
         resident = 3 * count * parameter // shards + 2 * block * activation
-        return MemoryNeeds(resident, block * parameter // shards, end // shards, transient)
+        return MemoryNeeds(resident, block * parameter // shards, end // shards, transient, accumulate > 1)
     moments = 2 * count * parameter // (shards if strategy in SHARDING_MOMENTS else 1)
     buckets = count * parameter if shards > 1 and strategy not in SHARDING_MOMENTS else 0  # a second gradient copy
-    return MemoryNeeds(count * parameter + moments + buckets, block * parameter, end, transient)
+    return MemoryNeeds(count * parameter + moments + buckets, block * parameter, end, transient, accumulate > 1)
 
 
 def budget_bytes(memory_budget: float, card_bytes: Optional[int]) -> Optional[int]:
@@ -79,7 +82,9 @@ def recompute_plan(
             "budget in GiB (above 1) to plan for it"
         )
         return None
-    needs = memory_needs(config, batch_size, trainer.precision, strategy_name(trainer.strategy), trainer.world_size)
-    plan = plan_recompute(config, batch_size, precision_bytes(trainer.precision)[1], budget, needs)
+    strategy, accumulate = strategy_name(trainer.strategy), trainer.accumulate_grad_batches
+    needs = memory_needs(config, batch_size, trainer.precision, strategy, trainer.world_size, accumulate)
+    parameter, activation = precision_bytes(trainer.precision)
+    plan = plan_recompute(config, batch_size, activation, budget, needs, parameter)
     rank_zero_info(plan.describe())
     return plan
