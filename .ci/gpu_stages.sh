@@ -3,9 +3,14 @@
 OUT=${OUT:-$PWD/$OUT_NAME}  # logs, junit xml and tables; ./$OUT_NAME without OUT
 mkdir -p "$OUT"
 
-# The GPU image lacks jsonargparse[signatures] (train.py's LightningCLI) and datasets: wheels in .whl/.
-if [ -d .whl ] && ! python -c "import docstring_parser, typeshed_client" 2>/dev/null; then
-    python -m pip install --quiet --no-index --find-links .whl "jsonargparse[signatures]" datasets
+# The GPU image lacks jsonargparse[signatures] (train.py's LightningCLI) and datasets: wheels in .whl/, made by
+# .ci/gpu_wheels.sh. Without them every stage would fail at its first import, after minutes: stop here instead.
+if ! python -c "import docstring_parser, typeshed_client, datasets" 2>/dev/null; then
+    python -m pip install --quiet --no-index --find-links .whl "jsonargparse[signatures]" datasets || {
+        echo "error: jsonargparse[signatures] and datasets are not installed and .whl/ cannot install them: run" \
+            ".ci/gpu_wheels.sh here and carry .whl"
+        exit 3
+    }
 fi
 
 record_versions() {  # torch, NCCL and the GPUs into $OUT/versions.txt
