@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import lightning.pytorch as L
 import pytest
 import torch
 from kept_tensors import kept_bytes
@@ -22,7 +23,7 @@ from lm_systems.model.memory_budget import (
 )
 from lm_systems.model.recompute import RECOMPUTE_POLICIES
 from lm_systems.model.transformer import TransformerLM
-from lm_systems.training.recompute_budget import budget_bytes, memory_needs, precision_bytes
+from lm_systems.training.recompute_budget import budget_bytes, memory_needs, precision_bytes, recompute_plan
 from train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
@@ -123,6 +124,17 @@ def test_the_peak_predicted_under_autocast_and_accumulation_is_the_peak_measured
     for policy, measured in SHIPPED_PEAKS[size].items():
         kept = kept_bytes_per_block(config, policy, 8 * 256, 2, 4)
         assert needs.peak([kept] * config.num_layers) / GIB == pytest.approx(measured, rel=0.01), policy
+
+
+def test_a_run_plans_with_its_own_precision_and_accumulation():
+    """recompute_plan hands the trainer's bf16-mixed and 4 micro-batches down: xl's measured peak under ``none``."""
+    config = ModelConfig.from_name("xl", vocab_size=1004, activation_checkpointing="auto", memory_budget=200)
+    trainer = L.Trainer(
+        accelerator="cpu", precision="bf16-mixed", accumulate_grad_batches=4, logger=False, enable_checkpointing=False
+    )
+    plan = recompute_plan(config, 8, trainer)
+    assert set(plan.block_recompute) == {"none"}
+    assert plan.predicted_peak / GIB == pytest.approx(SHIPPED_PEAKS["xl"]["none"], rel=0.01)
 
 
 @pytest.mark.parametrize("budget_gib", [40.0, 70.0, 80.0, 100.0, 126.0, 200.0, 2000.0])
