@@ -104,7 +104,7 @@ class LitLM(L.LightningModule):
         strategy's tensor_init_context; load_from_checkpoint too). With data: count flops_per_batch, log the size."""
         if self.model is None:
             batch_size = (self._shape.data_shape or (None, None))[0]
-            plan = recompute_plan(self.config, batch_size, attached_trainer(self))  # for auto: one line says it
+            plan = recompute_plan(self.config, batch_size, attached_trainer(self), bool(self.hparams.compile))
             self.model = TransformerLM(self.config, plan.block_recompute if plan is not None else None)
             if self.hparams.compile:
                 compile_model(self.model, self.hparams.compile, attached_trainer(self), self)

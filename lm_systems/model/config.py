@@ -45,8 +45,9 @@ class ModelConfig:
     the block rerun: least memory, one more forward); "keep_attention" (as blocks, attention outputs kept: their
     recompute costs most at long context); "selective" (matmul and attention outputs kept, the rest rerun);
     "keep_projections" (as selective but w2's output, which backward never needs: the same work, less kept); "auto"
-    (per block, the most that fits memory_budget: the later blocks keep more; one line at start says how many blocks
-    got each policy and the predicted peak)."""
+    (per block, the most that fits memory_budget: the later blocks keep more; eager, without the selective levels where
+    their dispatch costs more than the recompute they save; one line at start says how many blocks got each policy
+    and the predicted peak)."""
     memory_budget: float = 0.9
     """With activation_checkpointing auto, the memory one GPU may use: a fraction of the card when at most 1 (0.9:
     90%), GiB above 1 (e.g. 120). Counted against it: parameters, gradients and AdamW state (divided over the GPUs by

@@ -11,6 +11,10 @@ attention's output: its recompute costs most at long context), ``keep_projection
 and w3: d_model FLOPs of recompute a byte each), ``none`` (+ the elementwise intermediates, the cheapest to
 recompute). The later blocks keep more: backward reaches them first,
 while every block's kept activations are still held.
+
+Eager, the two selective levels cost time ``blocks`` does not: torch.utils.checkpoint's selective context sends each
+of the block's operations through a Python dispatch mode. ``paying_levels`` leaves out of an eager run's plan a
+selective level whose recompute saved (at a Hopper's rate) is worth less than that (docs/memory_budget.md).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ GIB = 2**30
 LEVELS = ("blocks", "keep_attention", "keep_projections", "none")
 """The policies ``auto`` chooses among, in the order they keep more (not ``selective``: it keeps w2's output too, which
 saves no recompute)."""
+SELECTIVE_LEVELS = ("keep_attention", "keep_projections")
+EAGER_SELECTIVE_OVERHEAD_S = 4e-3
+"""What an eager block under a selective level costs beyond ``blocks`` in dispatch, a micro-batch (xl and 2.7b on an
+H200 at 256 positions: 3-4 ms, docs/memory_budget.md). Compiled, the context is traced away."""
+RECOMPUTE_FLOP_RATE = 400e12
+"""FLOP/s a block's recompute runs at on a Hopper GPU in bf16 (the compiled 8B step: about half of an H200's 989)."""
 
 
 def kept_bytes_per_token(
@@ -73,6 +83,31 @@ def kept_bytes_per_block(
     if policy == "none" and (parameter_bytes or activation_bytes) != activation_bytes:
         kept += block_parameter_count(config) * activation_bytes
     return kept
+
+
+def recompute_saved_flops(config: ModelConfig, level: str, tokens: int) -> int:
+    """FLOPs of one block's forward over ``tokens`` positions that a selective ``level`` keeps the results of and
+    ``blocks`` recomputes: the attention (Q Kᵀ and P V over the causal half of the scores), and from
+    keep_projections on the qkv, out, w1 and w3 matmuls."""
+    D, F = config.d_model, config.d_ff
+    attention = 2 * tokens * config.context_length * D
+    if level == "keep_attention":
+        return attention
+    if level == "keep_projections":
+        return attention + 2 * tokens * (4 * D * D + 2 * D * F)
+    raise ValueError(f"{level!r} is not a selective level: one of {SELECTIVE_LEVELS}")
+
+
+def paying_levels(config: ModelConfig, tokens: int, compiled: bool) -> tuple[str, ...]:
+    """LEVELS without the selective ones an eager run would pay more dispatch for than they save in recompute."""
+    if compiled:
+        return LEVELS
+    return tuple(
+        level
+        for level in LEVELS
+        if level not in SELECTIVE_LEVELS
+        or recompute_saved_flops(config, level, tokens) / RECOMPUTE_FLOP_RATE > EAGER_SELECTIVE_OVERHEAD_S
+    )
 
 
 def block_parameter_count(config: ModelConfig) -> int:
@@ -134,6 +169,7 @@ class RecomputePlan:
     kept: tuple[int, ...]  # each block's kept activations, bytes
     needs: MemoryNeeds
     budget: int
+    left_out: tuple[str, ...] = ()  # selective levels not worth their dispatch in this eager run, where it mattered
 
     @property
     def predicted_peak(self) -> int:
@@ -145,6 +181,8 @@ class RecomputePlan:
         blocks = ", ".join(f"{counts[level]} {level}" for level in LEVELS if counts[level])
         order = " (the later blocks keep more)" if len(counts) > 1 else ""
         over = " OVER the budget: even blocks' recompute keeps too much;" if self.predicted_peak > self.budget else ""
+        if self.left_out:
+            over += f" {' and '.join(self.left_out)} left out (eager: their dispatch costs more than they save);"
         resident, kept, transient = (
             value / GIB for value in (self.needs.resident, sum(self.kept), self.needs.transient)
         )
@@ -162,20 +200,25 @@ def plan_recompute(
     budget: int,
     needs: MemoryNeeds,
     parameter_bytes: Optional[int] = None,
+    compiled: bool = True,
 ) -> RecomputePlan:
-    """Per block, the most that fits ``budget`` bytes beside ``needs`` (see the module's doc); every block ``blocks``
-    where not even that fits (the plan says the predicted peak is over the budget)."""
+    """Per block, the most that fits ``budget`` bytes beside ``needs`` (see the module's doc), among the levels that
+    pay for a run ``compiled`` or not (``paying_levels``); every block ``blocks`` where not even that fits (the plan
+    says the predicted peak is over the budget)."""
     tokens = batch_size * config.context_length
-    per_block = [kept_bytes_per_block(config, level, tokens, activation_bytes, parameter_bytes) for level in LEVELS]
+    choices = paying_levels(config, tokens, compiled)
+    per_block = [kept_bytes_per_block(config, level, tokens, activation_bytes, parameter_bytes) for level in choices]
     layers = config.num_layers
 
     def levels(level: int, upper: int) -> tuple[int, ...]:  # the last ``upper`` blocks one level up
-        return (level,) * (layers - upper) + (min(level + 1, len(LEVELS) - 1),) * upper
+        return (level,) * (layers - upper) + (min(level + 1, len(choices) - 1),) * upper
 
     def fits(plan: tuple[int, ...]) -> bool:
         return needs.peak([per_block[level] for level in plan]) <= budget
 
-    level = max((i for i in range(len(LEVELS)) if fits(levels(i, 0))), default=0)
-    upper = max((n for n in range(layers + 1) if level + 1 < len(LEVELS) and fits(levels(level, n))), default=0)
+    level = max((i for i in range(len(choices)) if fits(levels(i, 0))), default=0)
+    upper = max((n for n in range(layers + 1) if level + 1 < len(choices) and fits(levels(level, n))), default=0)
     chosen = levels(level, upper)
-    return RecomputePlan(tuple(LEVELS[i] for i in chosen), tuple(per_block[i] for i in chosen), needs, budget)
+    policies, kept = tuple(choices[i] for i in chosen), tuple(per_block[i] for i in chosen)
+    left_out = tuple(name for name in LEVELS if name not in choices) if set(policies) != {"none"} else ()
+    return RecomputePlan(policies, kept, needs, budget, left_out)

@@ -66,10 +66,11 @@ def budget_bytes(memory_budget: float, card_bytes: Optional[int]) -> Optional[in
 
 
 def recompute_plan(
-    config: ModelConfig, batch_size: Optional[int], trainer: Optional[L.Trainer]
+    config: ModelConfig, batch_size: Optional[int], trainer: Optional[L.Trainer], compiled: bool
 ) -> Optional[RecomputePlan]:
-    """The plan of ``auto`` for this run, said in one line; None where the policy is not auto or cannot be planned
-    (no trainer or batch: the model keeps ``blocks``'s bytes, as it does without a card for a fractional budget)."""
+    """The plan of ``auto`` for this run (its model ``compiled`` or eager), said in one line; None where the policy is
+    not auto or cannot be planned (no trainer or batch: the model keeps ``blocks``'s bytes, as it does without a card
+    for a fractional budget)."""
     if config.activation_checkpointing != "auto" or trainer is None or batch_size is None:
         return None
     device = trainer.strategy.root_device
@@ -85,6 +86,6 @@ def recompute_plan(
     strategy, accumulate = strategy_name(trainer.strategy), trainer.accumulate_grad_batches
     needs = memory_needs(config, batch_size, trainer.precision, strategy, trainer.world_size, accumulate)
     parameter, activation = precision_bytes(trainer.precision)
-    plan = plan_recompute(config, batch_size, activation, budget, needs, parameter)
+    plan = plan_recompute(config, batch_size, activation, budget, needs, parameter, compiled)
     rank_zero_info(plan.describe())
     return plan
