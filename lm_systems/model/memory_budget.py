@@ -35,10 +35,10 @@ LEVELS = ("blocks", "keep_attention", "keep_projections", "none")
 saves no recompute)."""
 SELECTIVE_LEVELS = ("keep_attention", "keep_projections")
 EAGER_SELECTIVE_OVERHEAD_S = 4e-3
-"""What an eager block under a selective level costs beyond ``blocks`` in dispatch, a micro-batch (xl and 2.7b on an
-H200 at 256 positions: 3-4 ms, docs/memory_budget.md). Compiled, the context is traced away."""
+"""What an eager block under a selective level costs beyond ``blocks`` in dispatch, each micro-batch (measured:
+docs/memory_budget.md). Compiled, the context is traced away."""
 RECOMPUTE_FLOP_RATE = 400e12
-"""FLOP/s a block's recompute runs at on a Hopper GPU in bf16 (the compiled 8B step: about half of an H200's 989)."""
+"""FLOP/s a block's recompute runs at on a Hopper GPU in bf16, about half its peak (docs/memory_budget.md)."""
 
 
 def kept_bytes_per_token(
