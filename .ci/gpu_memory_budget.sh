@@ -10,7 +10,7 @@
 #   oom           --model.activation_checkpointing none, eager, runs out of memory in the first forward: exit 1, one
 #                 error line, no traceback (about 30 s)
 #   torch_budget  torch's own partitioner budget instead: none + torch._functorch.config.activation_memory_budget
-#                 $TORCH_BUDGET (0.35 without it; 0.35 and 0.15 ran out of memory in the first backward, H200, 2026-12-02) under
+#                 $TORCH_BUDGET (0.35 without it; out of memory in the first step at 0.35, in the second at 0.15, one H200) under
 #                 torch.compile (the whole model, one GPU), for comparison; a call of its own (about 3 min, its
 #                 knapsack over the 34 blocks' graph included)
 #   xl, 2.7b      configs/<size>.yaml on the one GPU under each fixed policy and auto (the issue's "auto never slower
