@@ -10,9 +10,9 @@
 #   oom           --model.activation_checkpointing none, eager, runs out of memory in the first forward: exit 1, one
 #                 error line, no traceback (about 30 s)
 #   torch_budget  torch's own partitioner budget instead: none + torch._functorch.config.activation_memory_budget
-#                 $TORCH_BUDGET (0.35 without it; out of memory in the first step at 0.35, in the second at 0.15, one H200) under
-#                 torch.compile (the whole model, one GPU), for comparison; a call of its own (about 3 min, its
-#                 knapsack over the 34 blocks' graph included)
+#                 $TORCH_BUDGET (0.35 without it; out of memory in the first step at 0.35, in the second at 0.15, one
+#                 H200) under torch.compile (the whole model, one GPU), for comparison; a call of its own (about 3-4
+#                 min, its knapsack over the 34 blocks' graph included)
 #   xl, 2.7b      configs/<size>.yaml on the one GPU under each fixed policy and auto (the issue's "auto never slower
 #                 than the fastest fixed policy that fits"; about 6-9 min a size: a call each)
 #

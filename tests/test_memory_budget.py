@@ -18,6 +18,7 @@ from lm_systems.model.config import MODEL_SIZES, ModelConfig
 from lm_systems.model.memory_budget import (
     GIB,
     LEVELS,
+    RECOMPUTE_SHARE_OF_PEAK,
     SELECTIVE_LEVELS,
     kept_bytes_per_block,
     kept_bytes_per_token,
@@ -28,7 +29,15 @@ from lm_systems.model.memory_budget import (
 )
 from lm_systems.model.recompute import RECOMPUTE_POLICIES
 from lm_systems.model.transformer import RotaryEmbedding, TransformerBlock, TransformerLM
-from lm_systems.training.recompute_budget import budget_bytes, memory_needs, precision_bytes, recompute_plan
+from lm_systems.profiling.hardware import PEAK_FLOPS
+from lm_systems.training import recompute_budget
+from lm_systems.training.recompute_budget import (
+    budget_bytes,
+    eager_recompute_rate,
+    memory_needs,
+    precision_bytes,
+    recompute_plan,
+)
 from train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")  # pytest's own argv
@@ -247,26 +256,52 @@ def test_the_recompute_a_selective_level_saves_is_the_blocks_counted_flops():
     assert recompute_saved_flops(config, "keep_projections", 64) == attention + matmuls
 
 
-def _xl_plan(budget_gib: float, compiled: bool):
+H200_RECOMPUTE_RATE = RECOMPUTE_SHARE_OF_PEAK * PEAK_FLOPS["h200 sxm"][torch.bfloat16]
+
+
+def _xl_plan(budget_gib: float, eager_recompute_rate):
     config = ModelConfig.from_name("xl", vocab_size=1004)
     needs = memory_needs(config, 8, "bf16-mixed", "single_device", 1, accumulate=4)
-    return plan_recompute(config, 8, 2, int(budget_gib * GIB), needs, 4, compiled)
+    return plan_recompute(config, 8, 2, int(budget_gib * GIB), needs, 4, eager_recompute_rate)
 
 
 def test_an_eager_run_at_short_context_plans_without_the_selective_levels():
     """xl at 8 x 256 between blocks' 30.3 GiB and none's 43.1 (measured): compiled, the later blocks keep their
-    projections; eager, whose selective contexts stepped 1.4-1.6x slower than blocks there, they keep everything."""
-    compiled, eager = _xl_plan(36, compiled=True), _xl_plan(36, compiled=False)
+    projections; eager on an H200, whose selective contexts stepped 1.4-1.6x slower than blocks there, they keep
+    everything."""
+    compiled, eager = _xl_plan(36, None), _xl_plan(36, H200_RECOMPUTE_RATE)
     assert "keep_projections" in compiled.block_recompute and not compiled.left_out
     assert set(eager.block_recompute) == {"blocks", "none"} and eager.predicted_peak <= eager.budget
     assert eager.left_out == SELECTIVE_LEVELS and "keep_attention and keep_projections left out" in eager.describe()
-    assert _xl_plan(200, compiled=False).left_out == ()  # everything kept: nothing left out worth saying
+    assert _xl_plan(200, H200_RECOMPUTE_RATE).left_out == ()  # everything kept: nothing left out worth saying
 
 
 def test_an_eager_run_at_long_context_keeps_the_selective_levels():
     """At 32,768 positions the attention a level keeps is worth its dispatch (eager 8B on two H200s: keep_attention
     5.85 s a step against blocks' 6.37)."""
-    assert paying_levels(EIGHT_B, 32768, compiled=False) == LEVELS
+    assert paying_levels(EIGHT_B, 32768, H200_RECOMPUTE_RATE) == LEVELS
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_run_weighs_dispatch_eager_only_and_at_its_gpu_s_rate(compiled, monkeypatch):
+    """recompute_plan hands an eager run's rate down: half the peak of its GPU (an H200's here, faked on the CPU);
+    compiled, no rate, and every level stays."""
+    rates = []
+    monkeypatch.setattr(recompute_budget, "peak_flops", lambda device, dtype: rates.append(dtype) or 989.4e12)
+    config = ModelConfig.from_name("xl", vocab_size=1004, activation_checkpointing="auto", memory_budget=36)
+    trainer = L.Trainer(
+        accelerator="cpu", precision="bf16-mixed", accumulate_grad_batches=4, logger=False, enable_checkpointing=False
+    )
+    plan = recompute_plan(config, 8, trainer, compiled)
+    assert plan.block_recompute == _xl_plan(36, None if compiled else H200_RECOMPUTE_RATE).block_recompute
+    assert rates == ([] if compiled else [torch.bfloat16])
+
+
+def test_the_eager_rate_is_a_share_of_the_device_s_peak_and_none_where_unknown(monkeypatch):
+    assert eager_recompute_rate(torch.device("cpu"), 2) is None
+    monkeypatch.setattr(recompute_budget, "peak_flops", lambda device, dtype: {torch.float32: 60e12}.get(dtype))
+    assert eager_recompute_rate(torch.device("cpu"), 4) == RECOMPUTE_SHARE_OF_PEAK * 60e12
+    assert eager_recompute_rate(torch.device("cpu"), 2) is None
 
 
 @pytest.mark.parametrize("compile", [False, True, "blocks"])

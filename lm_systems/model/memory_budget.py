@@ -14,7 +14,7 @@ while every block's kept activations are still held.
 
 Eager, the two selective levels cost time ``blocks`` does not: torch.utils.checkpoint's selective context sends each
 of the block's operations through a Python dispatch mode. ``paying_levels`` leaves out of an eager run's plan a
-selective level whose recompute saved (at a Hopper's rate) is worth less than that (docs/memory_budget.md).
+selective level whose recompute saved (at the GPU's rate) is worth less than that (docs/memory_budget.md).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ SELECTIVE_LEVELS = ("keep_attention", "keep_projections")
 EAGER_SELECTIVE_OVERHEAD_S = 4e-3
 """What an eager block under a selective level costs beyond ``blocks`` in dispatch, each micro-batch (measured:
 docs/memory_budget.md). Compiled, the context is traced away."""
-RECOMPUTE_FLOP_RATE = 400e12
-"""FLOP/s a block's recompute runs at on a Hopper GPU in bf16, about half its peak (docs/memory_budget.md)."""
+RECOMPUTE_SHARE_OF_PEAK = 0.5
+"""The share of a GPU's dense peak a block's recompute runs at (the compiled 8B step's: docs/memory_budget.md)."""
 
 
 def kept_bytes_per_token(
@@ -98,15 +98,16 @@ def recompute_saved_flops(config: ModelConfig, level: str, tokens: int) -> int:
     raise ValueError(f"{level!r} is not a selective level: one of {SELECTIVE_LEVELS}")
 
 
-def paying_levels(config: ModelConfig, tokens: int, compiled: bool) -> tuple[str, ...]:
-    """LEVELS without the selective ones an eager run would pay more dispatch for than they save in recompute."""
-    if compiled:
+def paying_levels(config: ModelConfig, tokens: int, eager_recompute_rate: Optional[float]) -> tuple[str, ...]:
+    """LEVELS without the selective ones an eager run recomputing at ``eager_recompute_rate`` FLOP/s would pay more
+    dispatch for than they save; all of them where there is no such rate (compiled, or a device of unknown peak)."""
+    if eager_recompute_rate is None:
         return LEVELS
     return tuple(
         level
         for level in LEVELS
         if level not in SELECTIVE_LEVELS
-        or recompute_saved_flops(config, level, tokens) / RECOMPUTE_FLOP_RATE > EAGER_SELECTIVE_OVERHEAD_S
+        or recompute_saved_flops(config, level, tokens) / eager_recompute_rate > EAGER_SELECTIVE_OVERHEAD_S
     )
 
 
@@ -200,13 +201,13 @@ def plan_recompute(
     budget: int,
     needs: MemoryNeeds,
     parameter_bytes: Optional[int] = None,
-    compiled: bool = True,
+    eager_recompute_rate: Optional[float] = None,
 ) -> RecomputePlan:
     """Per block, the most that fits ``budget`` bytes beside ``needs`` (see the module's doc), among the levels that
-    pay for a run ``compiled`` or not (``paying_levels``); every block ``blocks`` where not even that fits (the plan
-    says the predicted peak is over the budget)."""
+    pay (``paying_levels``: an eager run gives the FLOP/s it recomputes at); every block ``blocks`` where not even
+    that fits (the plan says the predicted peak is over the budget)."""
     tokens = batch_size * config.context_length
-    choices = paying_levels(config, tokens, compiled)
+    choices = paying_levels(config, tokens, eager_recompute_rate)
     per_block = [kept_bytes_per_block(config, level, tokens, activation_bytes, parameter_bytes) for level in choices]
     layers = config.num_layers
 

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lm_systems.model.config import ModelConfig
 from lm_systems.model.memory_budget import (
     GIB,
+    RECOMPUTE_SHARE_OF_PEAK,
     MemoryNeeds,
     RecomputePlan,
     block_parameter_count,
@@ -26,6 +27,7 @@ from lm_systems.model.memory_budget import (
     transient_bytes,
 )
 from lm_systems.model.recompute import AUTO_WITHOUT_PLAN
+from lm_systems.profiling.hardware import peak_flops
 from lm_systems.training.out_of_memory import strategy_name
 
 SHARDING_ALL = ("zero3", "fsdp2")
@@ -58,6 +60,14 @@ def memory_needs(
     return MemoryNeeds(count * parameter + moments + buckets, block * parameter, end, transient, accumulate > 1)
 
 
+def eager_recompute_rate(device: torch.device, activation_bytes: int) -> Optional[float]:
+    """FLOP/s an eager block's recompute runs at on ``device``: a share of its dense peak for matmuls of the
+    activations' width (``profiling.hardware``), None where that peak is not known (the CPU, a GPU not in the table)."""
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[activation_bytes]  # fp16's peak is bf16's
+    peak = peak_flops(device, dtype)
+    return RECOMPUTE_SHARE_OF_PEAK * peak if peak is not None else None
+
+
 def budget_bytes(memory_budget: float, card_bytes: Optional[int]) -> Optional[int]:
     """``--model.memory_budget`` in bytes: GiB above 1, else a fraction of ``card_bytes`` (None without a card)."""
     if memory_budget > 1:
@@ -86,6 +96,7 @@ def recompute_plan(
     strategy, accumulate = strategy_name(trainer.strategy), trainer.accumulate_grad_batches
     needs = memory_needs(config, batch_size, trainer.precision, strategy, trainer.world_size, accumulate)
     parameter, activation = precision_bytes(trainer.precision)
-    plan = plan_recompute(config, batch_size, activation, budget, needs, parameter, compiled)
+    rate = None if compiled else eager_recompute_rate(device, activation)
+    plan = plan_recompute(config, batch_size, activation, budget, needs, parameter, rate)
     rank_zero_info(plan.describe())
     return plan
