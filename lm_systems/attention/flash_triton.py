@@ -24,6 +24,7 @@ from torch.library import triton_op, wrap_triton
 from lm_systems.attention.eager_launch import CachedLaunch
 from lm_systems.attention.flash_function import flash_attention_function
 from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kernel
+from lm_systems.attention.hopper.dispatch import hopper_applies, hopper_backward_op, hopper_forward, hopper_forward_op
 from lm_systems.attention.inputs import check_attention_inputs
 from lm_systems.attention.registry import register_attention
 from lm_systems.attention.tuning import TUNED_FOR_COMPILE, TUNED_FOR_EAGER, interpreting
@@ -178,6 +179,12 @@ def _forward(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # indexed as (B·H, N_q)
     out4 = _as_bhnd(out)
+    eager = kernels is _EAGER_KERNELS  # real tensors; under torch.compile they are fakes
+    if hopper_applies(q4, lambda: tma_loads((q4, k4, v4, out4), addresses_known=eager)):
+        if not eager:  # the Gluon kernels on sm_90 (hopper.dispatch); compiled, through their op
+            return hopper_forward_op(q, k, v, is_causal)
+        hopper_forward(q4, k4, v4, out4, lse, is_causal)
+        return out, lse
 
     dims = _kernel_dims(d, n_q, n_k)
     kernels.fwd[_grid(n_q, "BLOCK_M", batch * heads, dims["HEADS_FIRST"])](
@@ -234,6 +241,8 @@ def _backward(
         HEAD_DIM_PAD=dims["HEAD_DIM_PAD"],
         BLOCK_M=PREPROCESS_BLOCK,
     )
+    if hopper_applies(q4, lambda: tma):  # the Gluon kernels on sm_90 (hopper.dispatch); compiled, through their op
+        return hopper_backward_op(q, k, v, grad_out, lse, delta, is_causal)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)

@@ -1,5 +1,7 @@
-"""FlashAttention2Triton on a GPU: long sequences in fp32 / fp16 / bf16, the autotuned benchmark
-shapes, torch.compile, and a short training run that must track SDPA's loss curve."""
+"""FlashAttention2Triton's portable kernels on a GPU: long sequences in fp32 / fp16 / bf16, the autotuned benchmark
+shapes, torch.compile, and a short training run that must track SDPA's loss curve. On a Hopper GPU, flash_triton
+takes its Gluon kernels at head dim 128 in half precision: they are switched off here, and tested in
+test_hopper_gpu.py."""
 
 import sys
 from dataclasses import replace
@@ -15,12 +17,18 @@ from test_flash_triton import BOUNDS, _check_against_reference, _grads, _inputs 
 
 from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_triton import _EAGER_KERNELS, TMA_ENV, FlashAttention2Triton, tma_loads  # noqa: E402
+from lm_systems.attention.hopper.dispatch import HOPPER_ENV  # noqa: E402
 from lm_systems.attention.tuning import AUTOTUNE_ENV, CACHE_ENV  # noqa: E402
 from lm_systems.model.config import ModelConfig  # noqa: E402
 from lm_systems.model.transformer import TransformerLM  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _portable_kernels(monkeypatch):
+    monkeypatch.setenv(HOPPER_ENV, "0")
 
 
 # (leading dims, N_q, N_k, d, causal): the 2.7b head dim 80, rectangular, N = 16384, d = 128.

@@ -1,0 +1,179 @@
+"""When flash_triton takes the Hopper kernels, their launchers, and their ops for compiled graphs.
+
+flash_triton's forward and backward run the Gluon kernels (``forward``, ``backward``) for a call on a CUDA device of
+compute capability 9.x (wgmma and TMA; Blackwell has no wgmma), in fp16 or bf16, at head dim 128, with q, k, v (and
+dO) in the layout TMA descriptors need (``flash_triton.tma_loads``); anywhere else, or with
+``LM_SYSTEMS_FLASH_HOPPER=0``, the portable kernels run. At head dim 64 the portable kernels are as fast
+(docs/attention.md). Eager calls launch the kernels directly; compiled graphs call them through their ops
+(Inductor launches plain Triton kernels only, not Gluon's).
+
+Gluon is imported on the first Hopper call: CPU runs (the interpreter tests, CI) never import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+
+from lm_systems.attention.hopper.dq_conversion import dq_from_accumulator
+from lm_systems.attention.hopper.ptx import backward_launch_options
+
+HOPPER_ENV = "LM_SYSTEMS_FLASH_HOPPER"
+HOPPER_SETTINGS = ("1", "0")
+HEAD_DIM = 128
+DTYPES = (torch.float16, torch.bfloat16)
+FORWARD_ROWS = 128  # a forward program's query rows (two warpgroups of 64)
+FORWARD_KEYS = 128  # a forward ring slot's keys
+BACKWARD_KEYS = 128  # a backward program's keys (two warpgroups of 64)
+BACKWARD_ROWS = 64  # a backward ring slot's query rows
+STAGES = 2  # ring slots, forward and backward
+
+
+def hopper_applies(q: torch.Tensor, tma_layout_ok: Callable[[], bool]) -> bool:
+    """Whether the Gluon kernels take this call: see the module's docstring. ``tma_layout_ok`` is asked last."""
+    if hopper_setting() == "0":
+        return False
+    supported = q.is_cuda and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and _is_sm90(q.device)
+    return supported and tma_layout_ok()
+
+
+def hopper_setting() -> str:
+    """``LM_SYSTEMS_FLASH_HOPPER``, checked: ``1`` (unset) or ``0``."""
+    setting = os.environ.get(HOPPER_ENV, "1")
+    if setting not in HOPPER_SETTINGS:
+        raise ValueError(f"{HOPPER_ENV} must be 1 (the Hopper kernels where they apply: the default) or 0 (never), "
+                         f"got {setting!r}")  # fmt: skip
+    return setting
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def specialised_strides(*tensors: torch.Tensor) -> list[int]:
+    """The (B, H, N) strides of each tensor, checked to be what the backward's shipped PTX is specialised on:
+    multiples of 16 elements (true of any layout with a contiguous head dimension of 128)."""
+    strides = [s for t in tensors for s in _strides(t)]
+    if any(s % 16 for s in strides):
+        raise ValueError(f"the Hopper backward needs strides that are multiples of 16 elements, got {strides}")
+    return strides
+
+
+def _allocate_descriptor_scratch(device: torch.device) -> None:
+    """Triton's allocator for the kernels' in-kernel TMA descriptors; per call: Triton keeps it per thread, and the
+    backward runs on autograd's."""
+    from lm_systems.attention.flash_triton import _descriptor_scratch  # flash_triton imports this module
+
+    triton.set_allocator(_descriptor_scratch(device))
+
+
+def hopper_forward(
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, out4: torch.Tensor, lse: torch.Tensor, is_causal: bool
+) -> None:
+    """Fill out4 (a (B, H, N_q, d) view) with attention of the (B, H, N, d) views q4, k4, v4, and ``lse`` (indexed
+    (B·H, N_q)) with its logsumexp, as the portable forward does."""
+    from lm_systems.attention.hopper.forward import gluon_forward_kernel
+
+    _allocate_descriptor_scratch(q4.device)
+    batch, heads, n_q, d = q4.shape
+    gluon_forward_kernel[(batch * heads, triton.cdiv(n_q, FORWARD_ROWS))](
+        q4, k4, v4, out4, lse,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4),
+        heads, n_q, k4.shape[2], 1.0 / math.sqrt(d),
+        HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=FORWARD_KEYS, STAGES=STAGES, num_warps=4,
+    )  # fmt: skip
+
+
+def hopper_backward(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    do4: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq4: torch.Tensor,
+    dk4: torch.Tensor,
+    dv4: torch.Tensor,
+    is_causal: bool,
+) -> None:
+    """Fill dq4, dk4, dv4 (B, H, N, d views) from (B, H, N, d) views of q, k, v, dO, with the logsumexp ``lse`` and
+    D = rowsum(dO ∘ O) ``delta``, both indexed (B·H, N_q): dK and dV stored by the kernel, dQ added (transposed,
+    unscaled) into a zeroed fp32 accumulator by its TMA reductions, then scaled, transposed and cast into dq4."""
+    from lm_systems.attention.hopper.backward import gluon_backward_kernel
+
+    strides = specialised_strides(q4, k4, v4, do4, dk4, dv4)
+    _allocate_descriptor_scratch(q4.device)
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    sm_scale = 1.0 / math.sqrt(d)
+    # (B·H, d, N_q) with rows a multiple of 4 floats apart: TMA needs 16-byte strides.
+    dq_acc = torch.zeros(batch * heads, d, triton.cdiv(n_q, 4) * 4, dtype=torch.float32, device=q4.device)
+    gluon_backward_kernel[(triton.cdiv(n_k, BACKWARD_KEYS), batch * heads)](
+        q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc,
+        *strides, dq_acc.stride(1), heads, n_q, n_k, sm_scale,
+        HEAD_DIM=d, CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, STAGES=STAGES, num_warps=4,
+        **backward_launch_options(q4.dtype, is_causal),
+    )  # fmt: skip
+    dq_from_accumulator(dq_acc, dq4, sm_scale)
+
+
+def _empty_like_each(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors)
+
+
+def _forward_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and L, empty: L float32, shaped ``q.shape[:-1]`` and indexed (B·H, N_q) by the kernels."""
+    return _empty_like_each(q)[0], torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+
+
+@torch.library.custom_op("lm_systems::flash_hopper_forward", mutates_args=())
+def hopper_forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hopper_forward`` as an op of its own, for flash_triton's compiled path: q, k, v as flash_triton takes them
+    ((..., N, d) with a (B, H) view: ``flash_triton._as_bhnd``); O shaped as q and L shaped ``q.shape[:-1]``."""
+    from lm_systems.attention.flash_triton import _as_bhnd  # flash_triton imports this module
+
+    out, lse = _forward_outputs(q)
+    hopper_forward(_as_bhnd(q), _as_bhnd(k), _as_bhnd(v), _as_bhnd(out), lse, is_causal)
+    return out, lse
+
+
+@hopper_forward_op.register_fake
+def _(q, k, v, is_causal):
+    return _forward_outputs(q)
+
+
+@torch.library.custom_op("lm_systems::flash_hopper_backward", mutates_args=())
+def hopper_backward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hopper_backward`` as an op of its own, for flash_triton's compiled path: q, k, v, grad_out as
+    ``hopper_forward_op`` takes them; returns dQ, dK, dV shaped as q, k, v."""
+    from lm_systems.attention.flash_triton import _as_bhnd  # flash_triton imports this module
+
+    grads = _empty_like_each(q, k, v)
+    views = [_as_bhnd(t) for t in (q, k, v, grad_out)]
+    hopper_backward(*views, lse, delta, *(_as_bhnd(g) for g in grads), is_causal)
+    return grads
+
+
+@hopper_backward_op.register_fake
+def _(q, k, v, grad_out, lse, delta, is_causal):
+    return _empty_like_each(q, k, v)

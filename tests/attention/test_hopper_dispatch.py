@@ -1,0 +1,104 @@
+"""When flash_triton takes the Hopper kernels (``hopper.dispatch``), what it leaves alone, and the ops compiled graphs
+call. Runs anywhere: off Hopper (and on the CPU, through Triton's interpreter) the dispatch must change nothing, and
+the TMA layout check, which costs a few Python operations a call, is asked only once the switch and the device allow.
+"""
+
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+if sys.platform != "linux":  # triton is a dependency on Linux only; there a broken install must fail
+    pytest.skip("triton is installed on Linux only", allow_module_level=True)
+
+from attention_reference import reference_attention, rel_error  # noqa: E402
+from test_flash_triton import BOUNDS, _inputs  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: E402
+from lm_systems.attention.hopper import dispatch  # noqa: E402
+from lm_systems.attention.hopper.dispatch import (  # noqa: E402
+    HOPPER_ENV,
+    hopper_applies,
+    hopper_backward_op,
+    hopper_forward_op,
+    specialised_strides,
+)
+
+
+def _layout_check_that_records(asked: list) -> Callable[[], bool]:
+    return lambda: asked.append(True) or True
+
+
+@pytest.mark.parametrize("setting", [None, "0", "1"])
+def test_the_layout_is_asked_only_where_the_kernels_could_run(setting, monkeypatch):
+    if setting is None:
+        monkeypatch.delenv(HOPPER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(HOPPER_ENV, setting)
+    asked = []
+    q = torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16)  # a CPU tensor: never sm_90
+    assert hopper_applies(q, _layout_check_that_records(asked)) is False
+    assert asked == []
+
+
+@pytest.mark.parametrize(
+    "setting, dtype, head_dim, taken",
+    [
+        (None, torch.bfloat16, 128, True),  # on by default
+        ("1", torch.float16, 128, True),
+        ("0", torch.bfloat16, 128, False),
+        (None, torch.bfloat16, 64, False),  # the portable kernels are as fast at d 64
+        (None, torch.float32, 128, False),
+    ],
+)
+def test_the_kernels_are_taken_on_sm90_at_head_dim_128_in_half_precision_unless_switched_off(
+    setting, dtype, head_dim, taken, monkeypatch
+):
+    if setting is None:
+        monkeypatch.delenv(HOPPER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(HOPPER_ENV, setting)
+    monkeypatch.setattr(dispatch, "_is_sm90", lambda device: True)
+    q = torch.zeros(1, 1, 4, head_dim, dtype=dtype, device="meta")
+    monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
+    asked = []
+    assert hopper_applies(q, _layout_check_that_records(asked)) is taken
+    assert asked == ([True] if taken else [])
+
+
+def test_another_value_of_the_switch_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(HOPPER_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{HOPPER_ENV} must be 1 .* or 0"):
+        hopper_applies(torch.zeros(1, 1, 4, 128), lambda: True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: the GPU tests cover sm_90")
+def test_the_cpu_forward_and_backward_stay_portable_with_the_switch_on(monkeypatch):
+    monkeypatch.setenv(HOPPER_ENV, "1")
+    q, k, v = (t.requires_grad_() for t in _inputs((1, 2), 40, 56, 16, torch.float32))
+    out = FlashAttention2Triton.apply(q, k, v, True)
+    assert rel_error(out, reference_attention(q, k, v, True)[0]) < BOUNDS[torch.float32]["out"]
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_strides_the_shipped_ptx_was_not_specialised_for_are_refused():
+    whole = torch.zeros(2, 3, 80, 128)
+    assert specialised_strides(whole, whole.transpose(1, 2)) == [30720, 10240, 128, 30720, 128, 10240]
+    ragged = torch.zeros(1, 2, 65, 130)[..., :128]  # rows 130 elements apart
+    with pytest.raises(ValueError, match="multiples of 16"):
+        specialised_strides(whole, ragged)
+
+
+def test_the_ops_give_outputs_shaped_as_flash_triton_s_under_fake_tensors():
+    """What compiled graphs see of the ops (fakes: nothing launched): O as q, L float32 of ``q.shape[:-1]``, and dQ,
+    dK, dV as q, k, v."""
+    with FakeTensorMode():
+        q, grad_out = (torch.empty(2, 4, 70, 128, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.empty(2, 4, 90, 128, dtype=torch.bfloat16) for _ in range(2))
+        out, lse = hopper_forward_op(q, k, v, True)
+        grads = hopper_backward_op(q, k, v, grad_out, lse, torch.empty(2, 4, 70), True)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 4, 70), torch.float32)
+    assert [(g.shape, g.dtype) for g in grads] == [(t.shape, t.dtype) for t in (q, k, v)]
