@@ -10,6 +10,10 @@
 #   tests     the gpu-marked attention tests (float64 references; the autotuned headline shapes; 20 passed on an
 #             H100, 2026-11-27)
 #   long      medium at context 8192 through train.py, flash_triton against sdpa (benchmarks.scaling)
+#   hopper    on sm_90: the Gluon kernels flash_triton takes at d 128 (lm_systems/attention/hopper) against float64
+#             (tests/attention/test_hopper_gpu.py, with Triton < 3.9 through the shipped PTX), then the headline
+#             benchmark (its d 128 rows are theirs; flash_triton_portable the portable kernels beside them). Not in
+#             the default list; about 4 minutes.
 #
 #   .ci/gpu_attention.sh                  # all four, in this order (about 10 minutes)
 #   .ci/gpu_attention.sh tune headline tests && .ci/gpu_attention.sh long   # in two calls of under 10 minutes
@@ -52,8 +56,13 @@ for stage in "${STAGES[@]}"; do
             --baseline single+--model.attention=sdpa --rounds 1 --warmup 5 --steps 5 --segments 2 \
             --run-timeout 140 --out-dir "$OUT/results"
         ;;
+    hopper)
+        run hopper_tests 240 python -m pytest -q -m gpu tests/attention/test_hopper_gpu.py -p no:cacheprovider \
+            --junitxml="$OUT/hopper_tests.xml"
+        run hopper_headline 300 python -m benchmarks.attention --mode headline --rounds 3 --out-dir "$OUT/results"
+        ;;
     *)
-        echo "unknown stage $stage (tune, headline, pointer_loads, tests, long)"; exit 2
+        echo "unknown stage $stage (tune, headline, pointer_loads, tests, long, hopper)"; exit 2
         ;;
     esac
 done

@@ -1,8 +1,10 @@
 """Causal attention benchmarks (CUDA): ``python -m benchmarks.attention --mode {headline,flash}``.
 
-- ``headline``: B1 H16 N16384 bf16, d 64 and 128: ``torch.compile(FlashAttention2Triton.apply)`` and
-  flash_triton eager beside SDPA's flash and cuDNN backends, over interleaved rounds, as ratios; and
-  naive attention at that shape (and at batch 2, fp32, beside flash_triton) where it runs out of memory.
+- ``headline``: B1 H16 N16384 bf16, d 64 and 128, and the 8B model's B1 H32 N32768 d 128:
+  ``torch.compile(FlashAttention2Triton.apply)``, flash_triton eager and flash_triton's portable kernels alone
+  (eager, ``LM_SYSTEMS_FLASH_HOPPER=0``: on Hopper at d 128 flash_triton runs its Gluon kernels) beside SDPA's flash
+  and cuDNN backends, over interleaved rounds, as ratios; and naive attention at the first shape (and at batch 2,
+  fp32, beside flash_triton in fp32) where it runs out of memory.
 - ``flash``: batch 1, one head, N 128…65536, d 16…128, bf16 and fp32: every implementation's forward,
   backward and forward+backward ms and TFLOP/s, square and rectangular (N_q = N_k / 4).
 
@@ -14,6 +16,8 @@ FlashAttention-2 paper's convention.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 from typing import Callable
 
@@ -25,6 +29,9 @@ AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PARTS = ("fwd", "bwd", "fwd+bwd")
 HEADLINE_N = 16384
+HEADLINE_SHAPES = ((16, HEADLINE_N, 64), (16, HEADLINE_N, 128), (32, 2 * HEADLINE_N, 128))  # heads, N, d (batch 1)
+# Environment a headline implementation is timed under (its forward and its backward)
+HEADLINE_ENV = {"flash_triton_portable": {"LM_SYSTEMS_FLASH_HOPPER": "0"}}
 FLASH_IMPLS = ["naive", "naive_compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton"]
 FLASH_TORCH_MAX_PAIRS = 2**28  # flash_torch beyond this many score elements takes minutes per point
 
@@ -61,6 +68,7 @@ def implementations(names: list[str]) -> dict[str, AttnFn]:
         "sdpa_flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION),
         "flash_triton_compiled": lambda: torch.compile(FlashAttention2Triton.apply),
+        "flash_triton_portable": lambda: FlashAttention2Triton.apply,  # timed under HEADLINE_ENV
     }
     return {name: builders[name]() if name in builders else get_attention(name) for name in names}
 
@@ -117,18 +125,22 @@ def _with_tflops(row: dict, times: dict, flops: dict) -> dict:
 def headline(args: argparse.Namespace) -> None:
     from lm_systems.attention.tuning import tuned_configs
 
-    impls = implementations(["flash_triton_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn"])
+    impls = implementations(
+        ["flash_triton_compiled", "flash_triton", "flash_triton_portable", "sdpa_flash", "sdpa_cudnn"]
+    )
     rows = []
-    for d in (64, 128):
-        q, k, v = _qkv(1, 16, HEADLINE_N, HEADLINE_N, d, torch.bfloat16)
+    for heads, n, d in HEADLINE_SHAPES:
+        q, k, v = _qkv(1, heads, n, n, d, torch.bfloat16)
         samples: dict[str, dict[str, list]] = {name: {part: [] for part in PARTS} for name in impls}
         for _ in range(args.rounds):  # interleaved: every implementation once per round, so drift hits all alike
             for name, fn in impls.items():
-                for part, t in time_attention(fn, q, k, v, args.rep_ms).items():
-                    samples[name][part].append(t)
+                with _environment(HEADLINE_ENV.get(name, {})):
+                    for part, t in time_attention(fn, q, k, v, args.rep_ms).items():
+                        samples[name][part].append(t)
         median = {name: {part: _median(ts) for part, ts in parts.items()} for name, parts in samples.items()}
         for name in impls:
-            row = _with_tflops({"impl": name, "d": d}, median[name], attention_flops(16, HEADLINE_N, HEADLINE_N, d))
+            flops = attention_flops(heads, n, n, d)
+            row = _with_tflops({"impl": name, "H": heads, "N": n, "d": d}, median[name], flops)
             for part in PARTS:
                 for base in ("sdpa_flash", "sdpa_cudnn"):
                     ref, t = median[base][part], median[name][part]
@@ -145,22 +157,26 @@ def headline(args: argparse.Namespace) -> None:
     ):
         times = time_attention(impls[name], *_qkv(batch, 16, HEADLINE_N, HEADLINE_N, 64, DTYPES[dtype]), args.rep_ms)
         label = f"{name} ({dtype}" + (f", B{batch})" if batch > 1 else ")")
-        rows.append({"impl": label, "d": 64, **{f"{p}_ms": t for p, t in times.items()}})
+        rows.append({"impl": label, "H": 16, "N": HEADLINE_N, "d": 64, **{f"{p}_ms": t for p, t in times.items()}})
     tiles = "; ".join(
         f"{kind} {key[:4]}: {config}" for kind, configs in tuned_configs().items() for key, config in configs.items()
     )
     write_results(
         "attention_headline",
         rows,
-        f"Headline: B1 H16 N{HEADLINE_N} bf16 causal, forward + backward",
+        f"Headline: B1 H16 N{HEADLINE_N} and B1 H32 N{2 * HEADLINE_N} bf16 causal, forward + backward",
         notes=f"Median over {args.rounds} interleaved rounds of the median of triton.testing.do_bench "
         f"(rep {args.rep_ms} ms). flash_triton_compiled is torch.compile(FlashAttention2Triton.apply), "
-        "flash_triton the same Function called eagerly. Ratios are speed-ups: baseline time / this time "
+        "flash_triton the same Function called eagerly, flash_triton_portable eagerly with LM_SYSTEMS_FLASH_HOPPER=0 "
+        "(its portable kernels; on Hopper at d 128 flash_triton runs its Gluon kernels). "
+        "Ratios are speed-ups: baseline time / this time "
         "(above 1 means faster than the baseline). naive rows: the model's PyTorch attention at the same shape "
         "(and at batch 2, beside flash_triton in fp32), to show where it runs out of memory. "
         f"Tiles the autotuner chose (N_q, N_k, d, causal): {tiles}.",
         columns=[
             "impl",
+            "H",
+            "N",
             "d",
             "fwd_ms",
             "bwd_ms",
@@ -170,6 +186,21 @@ def headline(args: argparse.Namespace) -> None:
         ],
         out_dir=args.out_dir,
     )
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    """These environment variables set for the block, restored after."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def _median(values: list) -> float | str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 import torch
@@ -54,3 +55,12 @@ def test_gpu_flash_sweep_at_tiny_sizes(tmp_path):
             flops = bench.attention_flops(1, int(row["N_q"]), 128, 16)["fwd+bwd"]
             assert float(row["fwd+bwd_TFLOPs"]) == pytest.approx(flops / float(row["fwd+bwd_ms"]) / 1e9)
     assert (tmp_path / "attention_flash_sweep.png").exists()
+
+
+def test_a_headline_implementation_s_environment_is_set_for_its_timing_and_restored_after(monkeypatch):
+    monkeypatch.delenv("LM_SYSTEMS_FLASH_HOPPER", raising=False)
+    monkeypatch.setenv("LM_SYSTEMS_FLASH_TMA", "1")
+    with bench._environment({"LM_SYSTEMS_FLASH_HOPPER": "0", "LM_SYSTEMS_FLASH_TMA": "0"}):
+        assert (os.environ["LM_SYSTEMS_FLASH_HOPPER"], os.environ["LM_SYSTEMS_FLASH_TMA"]) == ("0", "0")
+    assert "LM_SYSTEMS_FLASH_HOPPER" not in os.environ and os.environ["LM_SYSTEMS_FLASH_TMA"] == "1"
+    assert bench.HEADLINE_ENV["flash_triton_portable"] == {"LM_SYSTEMS_FLASH_HOPPER": "0"}
