@@ -16,6 +16,7 @@ from attention_reference import reference_attention, rel_error  # noqa: E402
 from test_flash_triton import BOUNDS, _inputs  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
+from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: E402
 from lm_systems.attention.hopper import dispatch  # noqa: E402
 from lm_systems.attention.hopper.dispatch import (  # noqa: E402
@@ -102,3 +103,27 @@ def test_the_ops_give_outputs_shaped_as_flash_triton_s_under_fake_tensors():
         grads = hopper_backward_op(q, k, v, grad_out, lse, torch.empty(2, 4, 70), True)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 4, 70), torch.float32)
     assert [(g.shape, g.dtype) for g in grads] == [(t.shape, t.dtype) for t in (q, k, v)]
+
+
+def test_flash_triton_hands_its_forward_and_backward_to_the_hopper_kernels_where_they_apply(monkeypatch):
+    """The wiring, on any machine: where ``hopper_applies`` says yes, FlashAttention2Triton's eager forward fills its
+    output through ``hopper_forward`` and its backward returns what the backward's op returns."""
+    calls = []
+
+    def forward(q4, k4, v4, out4, lse, is_causal):
+        calls.append(("forward", is_causal))
+        out4.fill_(2.0)
+        lse.zero_()
+
+    def backward_op(q, k, v, grad_out, lse, delta, is_causal):
+        calls.append(("backward", is_causal))
+        return tuple(torch.full_like(t, 3.0) for t in (q, k, v))
+
+    monkeypatch.setattr(flash_triton, "hopper_applies", lambda q, tma_layout_ok: True)
+    monkeypatch.setattr(flash_triton, "hopper_forward", forward)
+    monkeypatch.setattr(flash_triton, "hopper_backward_op", backward_op)
+    q, k, v = (t.requires_grad_() for t in _inputs((1, 2), 40, 56, 16, torch.float32))
+    out = FlashAttention2Triton.apply(q, k, v, True)
+    out.sum().backward()
+    assert calls == [("forward", True), ("backward", True)]
+    assert torch.all(out == 2.0) and all(torch.all(t.grad == 3.0) for t in (q, k, v))
