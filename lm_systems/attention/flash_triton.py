@@ -24,7 +24,13 @@ from torch.library import triton_op, wrap_triton
 from lm_systems.attention.eager_launch import CachedLaunch
 from lm_systems.attention.flash_function import flash_attention_function
 from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kernel
-from lm_systems.attention.hopper.dispatch import hopper_applies, hopper_backward_op, hopper_forward, hopper_forward_op
+from lm_systems.attention.hopper.dispatch import (
+    descriptor_scratch,
+    hopper_applies,
+    hopper_backward_op,
+    hopper_forward,
+    hopper_forward_op,
+)
 from lm_systems.attention.inputs import check_attention_inputs
 from lm_systems.attention.registry import register_attention
 from lm_systems.attention.tuning import TUNED_FOR_COMPILE, TUNED_FOR_EAGER, interpreting
@@ -139,12 +145,6 @@ def _has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= TMA_MIN_CAPABILITY
 
 
-@functools.cache
-def _descriptor_scratch(device: torch.device):
-    """Triton's allocator for the global memory a kernel that builds tensor descriptors asks for at launch."""
-    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
-
-
 class _Kernels(NamedTuple):
     """The four kernels of one launch path."""
 
@@ -182,7 +182,8 @@ def _forward(
     eager = kernels is _EAGER_KERNELS  # real tensors; under torch.compile they are fakes
     if hopper_applies(q4, lambda: tma_loads((q4, k4, v4, out4), addresses_known=eager)):
         if not eager:  # the Gluon kernels on sm_90 (hopper.dispatch); compiled, through their op
-            return hopper_forward_op(q, k, v, is_causal)
+            out4, lse4 = hopper_forward_op(q4, k4, v4, is_causal)
+            return out4.view(q.shape), lse4.view(q.shape[:-1])
         hopper_forward(q4, k4, v4, out4, lse, is_causal)
         return out, lse
 
@@ -226,7 +227,7 @@ def _backward(
     tma = tma_loads((q4, k4, v4, do4), addresses_known=eager)
     if tma and eager and not interpreting():
         # Per call: Triton keeps the allocator per thread, and backward runs on autograd's. Inductor sets its own.
-        triton.set_allocator(_descriptor_scratch(q.device))
+        triton.set_allocator(descriptor_scratch(q.device))
 
     delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
     kernels.preprocess[(triton.cdiv(n_q, PREPROCESS_BLOCK), batch * heads)](
@@ -242,7 +243,8 @@ def _backward(
         BLOCK_M=PREPROCESS_BLOCK,
     )
     if hopper_applies(q4, lambda: tma):  # the Gluon kernels on sm_90 (hopper.dispatch); compiled, through their op
-        return hopper_backward_op(q, k, v, grad_out, lse, delta, is_causal)
+        grads = hopper_backward_op(q4, k4, v4, do4, lse, delta, is_causal)
+        return tuple(g.view(t.shape) for g, t in zip(grads, (q, k, v), strict=True))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)

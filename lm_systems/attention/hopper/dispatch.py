@@ -69,12 +69,16 @@ def specialised_strides(*tensors: torch.Tensor) -> list[int]:
     return strides
 
 
-def _allocate_descriptor_scratch(device: torch.device) -> None:
-    """Triton's allocator for the kernels' in-kernel TMA descriptors; per call: Triton keeps it per thread, and the
-    backward runs on autograd's."""
-    from lm_systems.attention.flash_triton import _descriptor_scratch  # flash_triton imports this module
+@functools.cache
+def descriptor_scratch(device: torch.device):
+    """Triton's allocator for the global memory a kernel that builds tensor descriptors asks for at launch."""
+    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
 
-    triton.set_allocator(_descriptor_scratch(device))
+
+def _allocate_descriptor_scratch(device: torch.device) -> None:
+    """Set ``descriptor_scratch``; per call: Triton keeps the allocator per thread, and the backward runs on
+    autograd's."""
+    triton.set_allocator(descriptor_scratch(device))
 
 
 def hopper_forward(
@@ -128,52 +132,48 @@ def hopper_backward(
 
 
 def _empty_like_each(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Empty contiguous tensors of these shapes, dtypes and devices."""
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors)
 
 
-def _forward_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and L, empty: L float32, shaped ``q.shape[:-1]`` and indexed (B·H, N_q) by the kernels."""
-    return _empty_like_each(q)[0], torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+def _forward_outputs(q4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (B, H, N_q, d) and L (B, H, N_q) float32, empty and contiguous."""
+    return _empty_like_each(q4)[0], torch.empty(q4.shape[:-1], dtype=torch.float32, device=q4.device)
 
 
 @torch.library.custom_op("lm_systems::flash_hopper_forward", mutates_args=())
 def hopper_forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hopper_forward`` as an op of its own, for flash_triton's compiled path: q, k, v as flash_triton takes them
-    ((..., N, d) with a (B, H) view: ``flash_triton._as_bhnd``); O shaped as q and L shaped ``q.shape[:-1]``."""
-    from lm_systems.attention.flash_triton import _as_bhnd  # flash_triton imports this module
-
-    out, lse = _forward_outputs(q)
-    hopper_forward(_as_bhnd(q), _as_bhnd(k), _as_bhnd(v), _as_bhnd(out), lse, is_causal)
-    return out, lse
+    """``hopper_forward`` as an op of its own, for flash_triton's compiled path: O and L of the (B, H, N, d) views,
+    contiguous."""
+    out4, lse = _forward_outputs(q4)
+    hopper_forward(q4, k4, v4, out4, lse, is_causal)
+    return out4, lse
 
 
 @hopper_forward_op.register_fake
-def _(q, k, v, is_causal):
-    return _forward_outputs(q)
+def _(q4, k4, v4, is_causal):
+    return _forward_outputs(q4)
 
 
 @torch.library.custom_op("lm_systems::flash_hopper_backward", mutates_args=())
 def hopper_backward_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    grad_out: torch.Tensor,
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    do4: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``hopper_backward`` as an op of its own, for flash_triton's compiled path: q, k, v, grad_out as
-    ``hopper_forward_op`` takes them; returns dQ, dK, dV shaped as q, k, v."""
-    from lm_systems.attention.flash_triton import _as_bhnd  # flash_triton imports this module
-
-    grads = _empty_like_each(q, k, v)
-    views = [_as_bhnd(t) for t in (q, k, v, grad_out)]
-    hopper_backward(*views, lse, delta, *(_as_bhnd(g) for g in grads), is_causal)
+    """``hopper_backward`` as an op of its own (flash_triton's backward calls it eager and compiled): dQ, dK, dV of
+    the (B, H, N, d) views, contiguous."""
+    grads = _empty_like_each(q4, k4, v4)
+    hopper_backward(q4, k4, v4, do4, lse, delta, *grads, is_causal)
     return grads
 
 
 @hopper_backward_op.register_fake
-def _(q, k, v, grad_out, lse, delta, is_causal):
-    return _empty_like_each(q, k, v)
+def _(q4, k4, v4, do4, lse, delta, is_causal):
+    return _empty_like_each(q4, k4, v4)
