@@ -180,7 +180,7 @@ def _forward(
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # indexed as (B·H, N_q)
     out4 = _as_bhnd(out)
     eager = kernels is _EAGER_KERNELS  # real tensors; under torch.compile they are fakes
-    if hopper_applies(q4, lambda: tma_loads((q4, k4, v4, out4), addresses_known=eager)):
+    if hopper_applies((q4, k4, v4, out4), lambda: tma_loads((q4, k4, v4, out4), addresses_known=eager)):
         if not eager:  # the Gluon kernels on sm_90 (hopper.dispatch); compiled, through their op
             out4, lse4 = hopper_forward_op(q4, k4, v4, is_causal)
             return out4.view(q.shape), lse4.view(q.shape[:-1])
@@ -225,9 +225,6 @@ def _backward(
     sm_scale = 1.0 / math.sqrt(d)
     eager = kernels is _EAGER_KERNELS  # real tensors; under torch.compile they are fakes
     tma = tma_loads((q4, k4, v4, do4), addresses_known=eager)
-    if tma and eager and not interpreting():
-        # Per call: Triton keeps the allocator per thread, and backward runs on autograd's. Inductor sets its own.
-        triton.set_allocator(descriptor_scratch(q.device))
 
     delta = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
     kernels.preprocess[(triton.cdiv(n_q, PREPROCESS_BLOCK), batch * heads)](
@@ -242,9 +239,12 @@ def _backward(
         HEAD_DIM_PAD=dims["HEAD_DIM_PAD"],
         BLOCK_M=PREPROCESS_BLOCK,
     )
-    if hopper_applies(q4, lambda: tma):  # the Gluon kernels on sm_90 (hopper.dispatch); compiled, through their op
+    if hopper_applies((q4, k4, v4, do4), lambda: tma):  # the Gluon kernels on sm_90 (hopper.dispatch), through its op
         grads = hopper_backward_op(q4, k4, v4, do4, lse, delta, is_causal)
         return tuple(g.view(t.shape) for g, t in zip(grads, (q, k, v), strict=True))
+    if tma and eager and not interpreting():
+        # Per call: Triton keeps the allocator per thread, and backward runs on autograd's. Inductor sets its own.
+        triton.set_allocator(descriptor_scratch(q.device))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)

@@ -24,7 +24,7 @@ from lm_systems.attention.hopper.dispatch import (  # noqa: E402
     hopper_applies,
     hopper_backward_op,
     hopper_forward_op,
-    specialised_strides,
+    strides_fit,
 )
 
 
@@ -40,7 +40,7 @@ def test_the_layout_is_asked_only_where_the_kernels_could_run(setting, monkeypat
         monkeypatch.setenv(HOPPER_ENV, setting)
     asked = []
     q = torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16)  # a CPU tensor: never sm_90
-    assert hopper_applies(q, _layout_check_that_records(asked)) is False
+    assert hopper_applies((q,), _layout_check_that_records(asked)) is False
     assert asked == []
 
 
@@ -65,14 +65,14 @@ def test_the_kernels_are_taken_on_sm90_at_head_dim_128_in_half_precision_unless_
     q = torch.zeros(1, 1, 4, head_dim, dtype=dtype, device="meta")
     monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
     asked = []
-    assert hopper_applies(q, _layout_check_that_records(asked)) is taken
+    assert hopper_applies((q,), _layout_check_that_records(asked)) is taken
     assert asked == ([True] if taken else [])
 
 
 def test_another_value_of_the_switch_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv(HOPPER_ENV, "yes")
     with pytest.raises(ValueError, match=f"{HOPPER_ENV} must be 1 .* or 0"):
-        hopper_applies(torch.zeros(1, 1, 4, 128), lambda: True)
+        hopper_applies((torch.zeros(1, 1, 4, 128),), lambda: True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: the GPU tests cover sm_90")
@@ -85,12 +85,28 @@ def test_the_cpu_forward_and_backward_stay_portable_with_the_switch_on(monkeypat
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def test_strides_the_shipped_ptx_was_not_specialised_for_are_refused():
-    whole = torch.zeros(2, 3, 80, 128)
-    assert specialised_strides(whole, whole.transpose(1, 2)) == [30720, 10240, 128, 30720, 128, 10240]
-    ragged = torch.zeros(1, 2, 65, 130)[..., :128]  # rows 130 elements apart
-    with pytest.raises(ValueError, match="multiples of 16"):
-        specialised_strides(whole, ragged)
+def test_views_whose_strides_the_shipped_ptx_was_not_specialised_for_stay_on_the_portable_kernels(monkeypatch):
+    """Rows 136 elements apart are 16-byte aligned (TMA takes them) but not a multiple of 16 elements (the PTX's
+    specialisation): such a call falls back to the portable kernels, before the layout check, instead of failing."""
+    monkeypatch.delenv(HOPPER_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    whole = torch.zeros(2, 3, 80, 128, dtype=torch.bfloat16, device="meta")
+    padded = torch.zeros(1, 2, 65, 136, dtype=torch.bfloat16, device="meta")[..., :128]
+    assert strides_fit((whole, whole.transpose(1, 2))) and not strides_fit((whole, padded))
+    asked = []
+    assert hopper_applies((whole, whole.transpose(1, 2)), _layout_check_that_records(asked)) is True
+    assert hopper_applies((padded, whole), _layout_check_that_records(asked)) is False
+    assert hopper_applies((whole, padded), _layout_check_that_records(asked)) is False
+    assert asked == [True]
+
+
+def test_a_direct_call_of_the_backward_on_such_strides_is_refused_before_a_launch():
+    whole = torch.zeros(1, 2, 65, 128, dtype=torch.bfloat16)
+    padded = torch.zeros(1, 2, 65, 136, dtype=torch.bfloat16)[..., :128]
+    lse = delta = torch.zeros(1, 2, 65)
+    with pytest.raises(ValueError, match="multiples of 16 elements, got .*136"):
+        dispatch.hopper_backward(whole, whole, whole, padded, lse, delta, whole, whole, whole, True)
 
 
 def test_the_ops_give_outputs_shaped_as_flash_triton_s_under_fake_tensors():
@@ -119,7 +135,7 @@ def test_flash_triton_hands_its_forward_and_backward_to_the_hopper_kernels_where
         calls.append(("backward", is_causal))
         return tuple(torch.full_like(t, 3.0) for t in (q, k, v))
 
-    monkeypatch.setattr(flash_triton, "hopper_applies", lambda q, tma_layout_ok: True)
+    monkeypatch.setattr(flash_triton, "hopper_applies", lambda views, tma_layout_ok: True)
     monkeypatch.setattr(flash_triton, "hopper_forward", forward)
     monkeypatch.setattr(flash_triton, "hopper_backward_op", backward_op)
     q, k, v = (t.requires_grad_() for t in _inputs((1, 2), 40, 56, 16, torch.float32))

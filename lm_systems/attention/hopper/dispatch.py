@@ -34,12 +34,14 @@ BACKWARD_ROWS = 64  # a backward ring slot's query rows
 STAGES = 2  # ring slots, forward and backward
 
 
-def hopper_applies(q: torch.Tensor, tma_layout_ok: Callable[[], bool]) -> bool:
-    """Whether the Gluon kernels take this call: see the module's docstring. ``tma_layout_ok`` is asked last."""
+def hopper_applies(views: tuple[torch.Tensor, ...], tma_layout_ok: Callable[[], bool]) -> bool:
+    """Whether the Gluon kernels take a call on these (B, H, N, d) views, q's first: see the module's docstring, and
+    strides the backward's shipped PTX is specialised on (``strides_fit``). ``tma_layout_ok`` is asked last."""
     if hopper_setting() == "0":
         return False
+    q = views[0]
     supported = q.is_cuda and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and _is_sm90(q.device)
-    return supported and tma_layout_ok()
+    return supported and strides_fit(views) and tma_layout_ok()
 
 
 def hopper_setting() -> str:
@@ -60,13 +62,10 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def specialised_strides(*tensors: torch.Tensor) -> list[int]:
-    """The (B, H, N) strides of each tensor, checked to be what the backward's shipped PTX is specialised on:
-    multiples of 16 elements (true of any layout with a contiguous head dimension of 128)."""
-    strides = [s for t in tensors for s in _strides(t)]
-    if any(s % 16 for s in strides):
-        raise ValueError(f"the Hopper backward needs strides that are multiples of 16 elements, got {strides}")
-    return strides
+def strides_fit(views: tuple[torch.Tensor, ...]) -> bool:
+    """Whether every (B, H, N) stride of these views is what the backward's shipped PTX is specialised on: a
+    multiple of 16 elements (true of any layout with a contiguous head dimension of 128; TMA alone needs 8)."""
+    return not any(s % 16 for t in views for s in _strides(t))
 
 
 @functools.cache
@@ -115,7 +114,10 @@ def hopper_backward(
     unscaled) into a zeroed fp32 accumulator by its TMA reductions, then scaled, transposed and cast into dq4."""
     from lm_systems.attention.hopper.backward import gluon_backward_kernel
 
-    strides = specialised_strides(q4, k4, v4, do4, dk4, dv4)
+    views = (q4, k4, v4, do4, dk4, dv4)
+    if not strides_fit(views):  # flash_triton asks hopper_applies first; a direct call is told
+        raise ValueError(f"the Hopper backward needs strides that are multiples of 16 elements, got "
+                         f"{[s for t in views for s in _strides(t)]}")  # fmt: skip
     _allocate_descriptor_scratch(q4.device)
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
@@ -124,7 +126,7 @@ def hopper_backward(
     dq_acc = torch.zeros(batch * heads, d, triton.cdiv(n_q, 4) * 4, dtype=torch.float32, device=q4.device)
     gluon_backward_kernel[(triton.cdiv(n_k, BACKWARD_KEYS), batch * heads)](
         q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc,
-        *strides, dq_acc.stride(1), heads, n_q, n_k, sm_scale,
+        *(s for t in views for s in _strides(t)), dq_acc.stride(1), heads, n_q, n_k, sm_scale,
         HEAD_DIM=d, CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, STAGES=STAGES, num_warps=4,
         **backward_launch_options(q4.dtype, is_causal),
     )  # fmt: skip

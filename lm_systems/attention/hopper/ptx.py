@@ -14,6 +14,7 @@ and ``tests/attention/test_hopper_ptx.py`` fails when the kernel's sources chang
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
@@ -45,6 +46,7 @@ def backward_launch_options(dtype: torch.dtype, is_causal: bool) -> dict:
     return {"ir_override": str(COMPILED / ptx_name(_DTYPES[dtype], is_causal))}
 
 
+@functools.cache
 def _triton_version() -> tuple[int, int]:
     major, minor = triton.__version__.split(".")[:2]
     return int(major), int(minor)
