@@ -55,9 +55,12 @@ def test_a_triton_older_than_3_9_assembles_the_shipped_ptx_of_the_call_s_dtype_a
     assert ".loc" not in text and ".file" not in text  # no line table naming the writer's paths
 
 
-def test_triton_3_9_and_later_compile_the_kernel_themselves(monkeypatch):
+def test_triton_3_9_and_later_compile_the_kernel_themselves_with_the_ptx_s_config(monkeypatch):
     monkeypatch.setattr(ptx, "_triton_version", lambda: (3, 9))
-    assert ptx.backward_launch_options(torch.bfloat16, True) == {}
+    assert ptx.backward_launch_options(torch.bfloat16, True) == {**ptx.BACKWARD_CONFIG, "CAUSAL": True}
+    monkeypatch.setattr(ptx, "_triton_version", lambda: (3, 6))
+    older = ptx.backward_launch_options(torch.float16, False)
+    assert older.pop("ir_override") and older == {**ptx.BACKWARD_CONFIG, "CAUSAL": False}
 
 
 def test_the_command_refuses_a_triton_older_than_3_9(monkeypatch):

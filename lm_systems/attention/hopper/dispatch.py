@@ -21,17 +21,16 @@ import torch
 import triton
 
 from lm_systems.attention.hopper.dq_conversion import dq_from_accumulator
-from lm_systems.attention.hopper.ptx import backward_launch_options
+from lm_systems.attention.hopper.ptx import BACKWARD_CONFIG, MULTIPLE, backward_launch_options
 
 HOPPER_ENV = "LM_SYSTEMS_FLASH_HOPPER"
 HOPPER_SETTINGS = ("1", "0")
-HEAD_DIM = 128
+HEAD_DIM = BACKWARD_CONFIG["HEAD_DIM"]  # the forward's too
 DTYPES = (torch.float16, torch.bfloat16)
 FORWARD_ROWS = 128  # a forward program's query rows (two warpgroups of 64)
 FORWARD_KEYS = 128  # a forward ring slot's keys
+FORWARD_STAGES = 2  # ring slots
 BACKWARD_KEYS = 128  # a backward program's keys (two warpgroups of 64)
-BACKWARD_ROWS = 64  # a backward ring slot's query rows
-STAGES = 2  # ring slots, forward and backward
 
 
 def hopper_applies(views: tuple[torch.Tensor, ...], tma_layout_ok: Callable[[], bool]) -> bool:
@@ -64,8 +63,9 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
 
 def strides_fit(views: tuple[torch.Tensor, ...]) -> bool:
     """Whether every (B, H, N) stride of these views is what the backward's shipped PTX is specialised on: a
-    multiple of 16 elements (true of any layout with a contiguous head dimension of 128; TMA alone needs 8)."""
-    return not any(s % 16 for t in views for s in _strides(t))
+    multiple of ``ptx.MULTIPLE`` elements (true of any layout with a contiguous head dimension of 128; TMA alone
+    needs 8)."""
+    return not any(s % MULTIPLE for t in views for s in _strides(t))
 
 
 @functools.cache
@@ -93,7 +93,7 @@ def hopper_forward(
         q4, k4, v4, out4, lse,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4),
         heads, n_q, k4.shape[2], 1.0 / math.sqrt(d),
-        HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=FORWARD_KEYS, STAGES=STAGES, num_warps=4,
+        HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=FORWARD_KEYS, STAGES=FORWARD_STAGES, num_warps=4,
     )  # fmt: skip
 
 
@@ -116,7 +116,7 @@ def hopper_backward(
 
     views = (q4, k4, v4, do4, dk4, dv4)
     if not strides_fit(views):  # flash_triton asks hopper_applies first; a direct call is told
-        raise ValueError(f"the Hopper backward needs strides that are multiples of 16 elements, got "
+        raise ValueError(f"the Hopper backward needs strides that are multiples of {MULTIPLE} elements, got "
                          f"{[s for t in views for s in _strides(t)]}")  # fmt: skip
     _allocate_descriptor_scratch(q4.device)
     batch, heads, n_q, d = q4.shape
@@ -127,7 +127,6 @@ def hopper_backward(
     gluon_backward_kernel[(triton.cdiv(n_k, BACKWARD_KEYS), batch * heads)](
         q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc,
         *(s for t in views for s in _strides(t)), dq_acc.stride(1), heads, n_q, n_k, sm_scale,
-        HEAD_DIM=d, CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, STAGES=STAGES, num_warps=4,
         **backward_launch_options(q4.dtype, is_causal),
     )  # fmt: skip
     dq_from_accumulator(dq_acc, dq4, sm_scale)

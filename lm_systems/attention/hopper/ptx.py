@@ -29,8 +29,11 @@ MANIFEST = COMPILED / "manifest.json"
 OWN_CODE_FROM = (3, 9)  # the first Triton whose own code of the kernel is the shipped one's
 TARGET_PTX_VERSION = "8.7"  # the PTX ISA of CUDA 12.8's ptxas, which Triton 3.6 ships
 UNSPECIALISED = ("stride_dqn",)  # do_not_specialize in the kernel: the accumulator's row stride is N_q rounded to 4
+MULTIPLE = 16  # Triton's specialisation of the other strides (elements) and of the pointers (bytes)
+# The backward's tiles and warps, as launched (dispatch) and as its PTX is compiled
+BACKWARD_CONFIG = {"HEAD_DIM": 128, "BLOCK_M": 64, "STAGES": 2, "num_warps": 4}
 # What the shipped PTX is compiled from: a change to any of these must be followed by the command above.
-SOURCES = ("backward.py", "gluon_common.py", "partition_exit.py", "../../compat/gluon.py")
+SOURCES = ("backward.py", "gluon_common.py", "partition_exit.py", "ptx.py", "../../compat/gluon.py")
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -40,10 +43,12 @@ def ptx_name(dtype: str, is_causal: bool) -> str:
 
 
 def backward_launch_options(dtype: torch.dtype, is_causal: bool) -> dict:
-    """Triton's ``ir_override`` naming the shipped PTX, where the installed Triton is older than 3.9; else nothing."""
-    if _triton_version() >= OWN_CODE_FROM:
-        return {}
-    return {"ir_override": str(COMPILED / ptx_name(_DTYPES[dtype], is_causal))}
+    """The backward's launch options: ``BACKWARD_CONFIG``, the mask, and Triton's ``ir_override`` naming the shipped
+    PTX where the installed Triton is older than 3.9."""
+    options = {**BACKWARD_CONFIG, "CAUSAL": is_causal}
+    if _triton_version() < OWN_CODE_FROM:
+        options["ir_override"] = str(COMPILED / ptx_name(_DTYPES[dtype], is_causal))
+    return options
 
 
 @functools.cache
@@ -53,21 +58,22 @@ def _triton_version() -> tuple[int, int]:
 
 
 def backward_ptx(dtype: str, is_causal: bool) -> str:
-    """The kernel's PTX for sm_90 as the installed Triton compiles it, specialised as launches are (pointers and the
-    strides of q, k, v, dO, dK, dV multiples of 16), without its line table (it names this machine's paths), at the
-    PTX version Triton 3.6's ptxas reads."""
+    """The kernel's PTX for sm_90 as the installed Triton compiles it for ``BACKWARD_CONFIG``, specialised as
+    launches are (pointers and the strides of q, k, v, dO, dK, dV multiples of ``MULTIPLE``), without its line table
+    (it names this machine's paths), at the PTX version Triton 3.6's ptxas reads."""
     from lm_systems.attention.hopper.backward import gluon_backward_kernel
     from lm_systems.compat.gluon import sm90_ptx
 
     names = gluon_backward_kernel.arg_names
     signature = {name: _argument_type(name, dtype) for name in names}
     attrs = {
-        (i,): [["tt.divisibility", 16]]
+        (i,): [["tt.divisibility", MULTIPLE]]
         for i, name in enumerate(names)
         if signature[name].startswith("*") or (name.startswith("stride_") and name not in UNSPECIALISED)
     }
-    constexprs = {"HEAD_DIM": 128, "CAUSAL": is_causal, "BLOCK_M": 64, "STAGES": 2}
-    ptx = sm90_ptx(gluon_backward_kernel, signature, constexprs, attrs, num_warps=4)
+    constexprs = {**BACKWARD_CONFIG, "CAUSAL": is_causal}
+    num_warps = constexprs.pop("num_warps")
+    ptx = sm90_ptx(gluon_backward_kernel, signature, constexprs, attrs, num_warps)
     ptx = re.sub(r"^\.version \d+\.\d+$", f".version {TARGET_PTX_VERSION}", ptx, count=1, flags=re.M)
     return _without_line_table(ptx)
 
