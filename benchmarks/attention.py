@@ -16,10 +16,10 @@ FlashAttention-2 paper's convention.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 from typing import Callable
+from unittest import mock
 
 import torch
 
@@ -134,7 +134,7 @@ def headline(args: argparse.Namespace) -> None:
         samples: dict[str, dict[str, list]] = {name: {part: [] for part in PARTS} for name in impls}
         for _ in range(args.rounds):  # interleaved: every implementation once per round, so drift hits all alike
             for name, fn in impls.items():
-                with _environment(HEADLINE_ENV.get(name, {})):
+                with headline_environment(name):
                     for part, t in time_attention(fn, q, k, v, args.rep_ms).items():
                         samples[name][part].append(t)
         median = {name: {part: _median(ts) for part, ts in parts.items()} for name, parts in samples.items()}
@@ -188,19 +188,9 @@ def headline(args: argparse.Namespace) -> None:
     )
 
 
-@contextlib.contextmanager
-def _environment(variables: dict[str, str]):
-    """These environment variables set for the block, restored after."""
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
+def headline_environment(name: str):
+    """The environment the headline times implementation ``name`` under (``HEADLINE_ENV``), restored after."""
+    return mock.patch.dict(os.environ, HEADLINE_ENV.get(name, {}))
 
 
 def _median(values: list) -> float | str:

@@ -60,7 +60,9 @@ def test_gpu_flash_sweep_at_tiny_sizes(tmp_path):
 def test_a_headline_implementation_s_environment_is_set_for_its_timing_and_restored_after(monkeypatch):
     monkeypatch.delenv("LM_SYSTEMS_FLASH_HOPPER", raising=False)
     monkeypatch.setenv("LM_SYSTEMS_FLASH_TMA", "1")
-    with bench._environment({"LM_SYSTEMS_FLASH_HOPPER": "0", "LM_SYSTEMS_FLASH_TMA": "0"}):
-        assert (os.environ["LM_SYSTEMS_FLASH_HOPPER"], os.environ["LM_SYSTEMS_FLASH_TMA"]) == ("0", "0")
+    with bench.headline_environment("flash_triton_portable"):
+        assert (os.environ["LM_SYSTEMS_FLASH_HOPPER"], os.environ["LM_SYSTEMS_FLASH_TMA"]) == ("0", "1")
     assert "LM_SYSTEMS_FLASH_HOPPER" not in os.environ and os.environ["LM_SYSTEMS_FLASH_TMA"] == "1"
+    with bench.headline_environment("flash_triton"):
+        assert "LM_SYSTEMS_FLASH_HOPPER" not in os.environ
     assert bench.HEADLINE_ENV["flash_triton_portable"] == {"LM_SYSTEMS_FLASH_HOPPER": "0"}
