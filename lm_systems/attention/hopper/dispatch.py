@@ -89,7 +89,7 @@ def hopper_forward(
 
     _allocate_descriptor_scratch(q4.device)
     batch, heads, n_q, d = q4.shape
-    gluon_forward_kernel[(batch * heads, triton.cdiv(n_q, FORWARD_ROWS))](
+    gluon_forward_kernel[(triton.cdiv(n_q, FORWARD_ROWS), batch * heads)](
         q4, k4, v4, out4, lse,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out4),
         heads, n_q, k4.shape[2], 1.0 / math.sqrt(d),

@@ -17,7 +17,8 @@ Everything else is the portable forward's (``flash_triton_forward``): softmax in
 sees no key (causal, N_q > N_k) O = 0 and L = -inf. Causal tiles are walked in two stages, the ones every row of the
 program sees in full without a mask, then the diagonal and the ragged end of the keys with one (TMA reads zeros
 past N_k, whose scores are not -inf: they are masked too); the program's first tile is always masked (it starts the
-pipeline, wherever the diagonal is). Programs go longest first (the last query tiles, under a causal mask).
+pipeline, wherever the diagonal is). A head's query tiles are launched side by side (the grid's first axis), so
+that they read its keys and values from L2, and longest first (the last query tiles, under a causal mask).
 
 Compiled with ``partition_exit``'s rewrite, without which ptxas serialises the worker warpgroup's wgmma.
 Only ``dispatch`` imports this, on the first Hopper call (Gluon has no CPU interpreter).
@@ -172,11 +173,12 @@ def gluon_forward_kernel(
     num_heads, n_q, n_k, sm_scale,
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """One program (launched with num_warps=4): 128 queries of one (batch, head); grid (B·H, query tiles of 128),
-    the last query tiles (the longest under a causal mask) first."""
+    """One program (launched with num_warps=4): 128 queries of one (batch, head); grid (query tiles of 128, B·H),
+    so that a head's programs run side by side and share its keys and values in L2, the last query tiles (the
+    longest under a causal mask) first."""
     BLOCK_M: gl.constexpr = 2 * WARPGROUP_ROWS
-    bh = gl.program_id(0)
-    start_m = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
+    bh = gl.program_id(1)
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
     q_desc = rows_descriptor(head_base(Q, bh, num_heads, stride_qb, stride_qh), n_q, stride_qn, HEAD_DIM, BLOCK_M)
     k_desc = rows_descriptor(head_base(K, bh, num_heads, stride_kb, stride_kh), n_k, stride_kn, HEAD_DIM, BLOCK_N)
     v_desc = rows_descriptor(head_base(V, bh, num_heads, stride_vb, stride_vh), n_k, stride_vn, HEAD_DIM, BLOCK_N)
