@@ -7,6 +7,10 @@
 #                 machine; on one H200, 2026-12-01: 4.93 s at 68.3 GiB against 4.57 s at 122.9 GiB)
 #   keep_attention, auto  the budget stage's two runs one at a time: with ATTENTION=flash_triton each compiles and
 #                 tunes our kernels for 3-3.5 min before its first step (H200, 2026-12-02), so they take a call each
+#   attention_pair  auto at 0.9 with --model.attention flash_triton, then with sdpa (the 8B config's), $STEPS steps
+#                 each, and the ratio of their tokens/s (ours × SDPA's speed); about 5.5 minutes on a fresh machine
+#                 (2026-12-02, STEPS=4: 0.987-0.996); on a warm one each run starts in under a minute, so a second
+#                 pair fits the same 10-minute call
 #   oom           --model.activation_checkpointing none, eager, runs out of memory in the first forward: exit 1, one
 #                 error line, no traceback (about 30 s)
 #   torch_budget  torch's own partitioner budget instead: none + torch._functorch.config.activation_memory_budget
@@ -26,6 +30,7 @@ STAGES=("${@:-budget}")
 BUDGET=${BUDGET:-0.9}  # --model.memory_budget of the budget stage's auto run
 TORCH_BUDGET=${TORCH_BUDGET:-0.35}  # torch_budget's activation_memory_budget
 ATTENTION=${ATTENTION:-}  # --model.attention of every run (flash_triton: ours); the config's without it
+STEPS=${STEPS:-4}  # steps of the budget, auto and attention_pair runs (the speed line is the mean after step 1)
 record_versions
 export PYTHONPATH=.
 
@@ -43,9 +48,28 @@ for stage in "${STAGES[@]}"; do
     case $stage in
     budget | keep_attention | auto)
         # the first run on a fresh machine compiles from empty caches: over 3 minutes at 8B (2026-12-01)
-        [ "$stage" = auto ] || step8b keep_attention 330 4 --model.activation_checkpointing keep_attention
-        [ "$stage" = keep_attention ] \
-            || step8b "auto_$BUDGET" 300 4 --model.activation_checkpointing auto --model.memory_budget "$BUDGET"
+        [ "$stage" = auto ] || step8b keep_attention $((310 + 5 * STEPS)) "$STEPS" \
+            --model.activation_checkpointing keep_attention
+        [ "$stage" = keep_attention ] || step8b "auto_$BUDGET" $((280 + 5 * STEPS)) "$STEPS" \
+            --model.activation_checkpointing auto --model.memory_budget "$BUDGET"
+        ;;
+    attention_pair)
+        for attention in flash_triton sdpa; do  # the later --model.attention wins over ATTENTION's
+            step8b "pair_$attention" $((180 + 5 * STEPS)) "$STEPS" --model.activation_checkpointing auto \
+                --model.memory_budget 0.9 --model.attention "$attention"
+        done
+        python - "$OUT" <<'RATIO' | tee -a "$OUT/summary.txt"
+import re, sys
+rate = {}
+for name in ("flash_triton", "sdpa"):
+    found = re.search(r"speed +([\d,]+) tokens/s", open(f"{sys.argv[1]}/pair_{name}.log").read())
+    rate[name] = int(found.group(1).replace(",", "")) if found else None
+if None in rate.values():
+    print("attention_pair: a run gave no speed line (its log says why)")
+else:
+    print(f"attention_pair: flash_triton {rate['flash_triton']:,} tokens/s, sdpa {rate['sdpa']:,}: ours "
+          f"{rate['flash_triton'] / rate['sdpa']:.3f}x SDPA's speed")
+RATIO
         ;;
     oom)
         step8b oom_none 120 2 --model.activation_checkpointing none --model.compile false  # eager: out of memory in the first forward, not after a compile
@@ -78,7 +102,7 @@ runpy.run_path('train.py', run_name='__main__')
         done
         ;;
     *)
-        echo "unknown stage $stage (budget, keep_attention, auto, oom, torch_budget, xl, 2.7b)"; exit 2
+        echo "unknown stage $stage (budget, keep_attention, auto, attention_pair, oom, torch_budget, xl, 2.7b)"; exit 2
         ;;
     esac
 done
