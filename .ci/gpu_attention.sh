@@ -14,6 +14,9 @@
 #             (tests/attention/test_hopper_gpu.py, with Triton < 3.9 through the shipped PTX), then the headline
 #             benchmark (its d 128 rows are theirs; flash_triton_portable the portable kernels beside them). Not in
 #             the default list; about 4 minutes.
+#   ncu       Nsight Compute (hardware counters: the Firecracker runtime only) on one backward at the 8B model's
+#             B1 H32 N32768 d 128 of each of $NCU_IMPLS (flash_triton sdpa_cudnn without it; benchmarks.attention_ncu):
+#             speed of light, occupancy, waves, warp stalls, L2; ncu's CSV in each log. Not in the default list.
 #
 #   .ci/gpu_attention.sh                  # all four, in this order (about 10 minutes)
 #   .ci/gpu_attention.sh tune headline tests && .ci/gpu_attention.sh long   # in two calls of under 10 minutes
@@ -61,8 +64,16 @@ for stage in "${STAGES[@]}"; do
             --junitxml="$OUT/hopper_tests.xml"
         run hopper_headline 300 python -m benchmarks.attention --mode headline --rounds 3 --out-dir "$OUT/results"
         ;;
+    ncu)
+        for impl in ${NCU_IMPLS:-flash_triton sdpa_cudnn}; do
+            run "ncu_$impl" 200 ncu --clock-control none --profile-from-start off --csv --page details \
+                --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+                --section SchedulerStats --section MemoryWorkloadAnalysis \
+                python -m benchmarks.attention_ncu --impl "$impl"
+        done
+        ;;
     *)
-        echo "unknown stage $stage (tune, headline, pointer_loads, tests, long, hopper)"; exit 2
+        echo "unknown stage $stage (tune, headline, pointer_loads, tests, long, hopper, ncu)"; exit 2
         ;;
     esac
 done

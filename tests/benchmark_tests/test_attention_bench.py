@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks import attention as bench
+from benchmarks import attention_ncu
 
 
 @pytest.mark.parametrize("n_q, n_k", [(1, 1), (4, 4), (3, 7), (16, 64), (13, 13)])
@@ -23,6 +24,13 @@ def test_flops_count_the_pairs_an_end_aligned_causal_mask_keeps(n_q, n_k):
 def test_without_a_gpu_the_bench_says_so():
     with pytest.raises(SystemExit, match="needs a GPU"):
         bench.main(["--mode", "flash"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_without_a_gpu_the_ncu_backward_says_so(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        attention_ncu.main(["--impl", "flash_triton"])
+    assert exit_.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def _rows(path) -> list[dict]:

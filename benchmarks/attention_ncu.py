@@ -1,0 +1,49 @@
+"""One causal bf16 backward for Nsight Compute: ``python -m benchmarks.attention_ncu --impl NAME``.
+
+``NAME`` is one of the headline's implementations (``benchmarks.attention``): ``flash_triton`` (on Hopper at d 128
+its Gluon kernels), ``flash_triton_portable`` (the portable kernels, tuned first) or ``sdpa_cudnn``. Inputs, the
+forward and a first backward (compiling, tuning) run outside ``cudaProfilerStart``/``Stop``, so ``ncu
+--profile-from-start off`` sees only the profiled backwards' kernels. ``.ci/gpu_attention.sh ncu`` runs it under
+ncu for each implementation at the 8B model's attention shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.attention import _qkv, headline_environment, implementations
+
+IMPLEMENTATIONS = ("flash_triton", "flash_triton_portable", "sdpa_cudnn")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", choices=IMPLEMENTATIONS, required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=32768)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="backwards profiled")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (and ncu around it: .ci/gpu_attention.sh ncu)")
+    attend = implementations([args.impl])[args.impl]
+    with headline_environment(args.impl):
+        q, k, v = _qkv(args.batch, args.heads, args.seq, args.seq, args.head_dim, torch.bfloat16)
+        out = attend(q, k, v, True)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out, retain_graph=True)  # compiled and tuned here, outside the profiled range
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for _ in range(args.repeats):
+            out.backward(grad_out, retain_graph=True)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    shape = f"B{args.batch} H{args.heads} N{args.seq} d{args.head_dim}"
+    print(f"profiled {args.repeats} backward(s) of {args.impl} at {shape} causal bf16")
+
+
+if __name__ == "__main__":
+    main()
