@@ -17,6 +17,10 @@
 #   ncu       Nsight Compute (hardware counters: the Firecracker runtime only) on one backward at the 8B model's
 #             B1 H32 N32768 d 128 of each of $NCU_IMPLS (flash_triton sdpa_cudnn without it; benchmarks.attention_ncu):
 #             speed of light, occupancy, waves, warp stalls, L2; ncu's CSV in each log. Not in the default list.
+#   ncu_stalls  the same, every raw counter of the warp-state and instruction sections: each stall reason's cycles
+#             per issued instruction and the instruction mix. Not in the default list.
+#   clocks    the same backward of ours and cuDNN's cold and at the card's power limit, with the SM clock and power
+#             (benchmarks.attention_clocks; about 2 minutes). Not in the default list.
 #
 #   .ci/gpu_attention.sh                  # all four, in this order (about 10 minutes)
 #   .ci/gpu_attention.sh tune headline tests && .ci/gpu_attention.sh long   # in two calls of under 10 minutes
@@ -72,8 +76,18 @@ for stage in "${STAGES[@]}"; do
                 python -m benchmarks.attention_ncu --impl "$impl"
         done
         ;;
+    ncu_stalls)
+        for impl in ${NCU_IMPLS:-flash_triton sdpa_cudnn}; do
+            run "ncu_stalls_$impl" 200 ncu --clock-control none --profile-from-start off --csv --page raw \
+                --section WarpStateStats --section InstructionStats \
+                python -m benchmarks.attention_ncu --impl "$impl"
+        done
+        ;;
+    clocks)
+        run clocks 240 python -m benchmarks.attention_clocks --out-dir "$OUT/results"
+        ;;
     *)
-        echo "unknown stage $stage (tune, headline, pointer_loads, tests, long, hopper, ncu)"; exit 2
+        echo "unknown stage $stage (tune, headline, pointer_loads, tests, long, hopper, ncu, ncu_stalls, clocks)"; exit 2
         ;;
     esac
 done

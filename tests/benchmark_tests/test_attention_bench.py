@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import attention as bench
-from benchmarks import attention_ncu
+from benchmarks import attention_clocks, attention_ncu
 
 
 @pytest.mark.parametrize("n_q, n_k", [(1, 1), (4, 4), (3, 7), (16, 64), (13, 13)])
@@ -31,6 +31,27 @@ def test_without_a_gpu_the_ncu_backward_says_so(capsys):
     with pytest.raises(SystemExit) as exit_:
         attention_ncu.main(["--impl", "flash_triton"])
     assert exit_.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_without_a_gpu_the_clock_bench_says_so(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        attention_clocks.main([])
+    assert exit_.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_clock_summary_takes_medians_and_counts_cycles_against_the_baseline():
+    def row(impl, mode, ms, mhz):
+        return {"impl": impl, "mode": mode, "ms": ms, "sm_mhz": mhz, "watts": 600.0}
+
+    rows = [row("ours", "hot", ms, 1800) for ms in (10.0, 11.0, 30.0)]  # median 11, the 30 an outlier
+    rows += [row("theirs", "hot", ms, 1650) for ms in (10.0, 10.0, 12.0)]  # median 10
+    rows += [row("ours", "cold", 9.0, 2000), row("theirs", "cold", 9.0, 1000)]
+    by = {(r["mode"], r["impl"]): r for r in attention_clocks.summary(rows, baseline="theirs")}
+    assert by["hot", "ours"]["ms"] == 11.0 and by["hot", "theirs"]["time_ratio"] == 1.0
+    assert by["hot", "ours"]["time_ratio"] == pytest.approx(10 / 11)
+    assert by["hot", "ours"]["cycles_ratio"] == pytest.approx(10 * 1650 / (11 * 1800))
+    assert by["cold", "ours"]["time_ratio"] == 1.0 and by["cold", "ours"]["cycles_ratio"] == 0.5
 
 
 def _rows(path) -> list[dict]:
