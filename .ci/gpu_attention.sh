@@ -21,6 +21,9 @@
 #             per issued instruction and the instruction mix. Not in the default list.
 #   clocks    the same backward of ours and cuDNN's cold and at the card's power limit, with the SM clock and power
 #             (benchmarks.attention_clocks; about 2 minutes). Not in the default list.
+#   ab        AB_HOPPER=DIR: another lm_systems/attention/hopper (a patch's, its PTX written with Triton >= 3.9; keep
+#             it under .gl/, which carry takes) against the package's: its GPU tests, then clocks A B A B, each process
+#             against its own cuDNN (about 6 minutes). Not in the default list.
 #
 #   .ci/gpu_attention.sh                  # all four, in this order (about 10 minutes)
 #   .ci/gpu_attention.sh tune headline tests && .ci/gpu_attention.sh long   # in two calls of under 10 minutes
@@ -86,8 +89,23 @@ for stage in "${STAGES[@]}"; do
     clocks)
         run clocks 240 python -m benchmarks.attention_clocks --out-dir "$OUT/results"
         ;;
+    ab)
+        [ -d "${AB_HOPPER:-}/compiled" ] || { echo "ab: set AB_HOPPER to a copy of lm_systems/attention/hopper"; exit 2; }
+        package=$(mktemp -d) && cp -r lm_systems/attention/hopper "$package/"
+        take() { rm -rf lm_systems/attention/hopper && cp -r "$1" lm_systems/attention/hopper; }
+        take "$AB_HOPPER"
+        run ab_b_tests 240 python -m pytest -q -m gpu tests/attention/test_hopper_gpu.py -p no:cacheprovider \
+            --junitxml="$OUT/ab_b_tests.xml"
+        for variant in a b a b; do
+            if [ $variant = a ]; then take "$package/hopper"; else take "$AB_HOPPER"; fi
+            run "ab_clocks_$variant" 120 python -m benchmarks.attention_clocks --rounds 2 --out-dir "$OUT/ab_$variant"
+            grep -h "^| hot | flash_triton" "$OUT/ab_$variant/attention_clocks.md" | sed "s/^/$variant /" \
+                | tee -a "$OUT/summary.txt"
+        done
+        take "$package/hopper"
+        ;;
     *)
-        echo "unknown stage $stage (tune, headline, pointer_loads, tests, long, hopper, ncu, ncu_stalls, clocks)"; exit 2
+        echo "unknown stage $stage (tune, headline, pointer_loads, tests, long, hopper, ncu, ncu_stalls, clocks, ab)"; exit 2
         ;;
     esac
 done
