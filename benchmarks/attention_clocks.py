@@ -18,8 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
-from benchmarks.attention import _qkv, headline_environment, implementations
-from benchmarks.attention_ncu import IMPLEMENTATIONS
+from benchmarks.attention import headline_environment
+from benchmarks.attention_ncu import IMPLEMENTATIONS, add_shape_arguments, causal_backward
 from benchmarks.report import argument_parser, write_results
 
 SAMPLE_EVERY_S = 0.02
@@ -92,10 +92,7 @@ def summary(rows: list[dict], baseline: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--impls", nargs="+", choices=IMPLEMENTATIONS, default=["flash_triton", "sdpa_cudnn"])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=32768)
-    parser.add_argument("--head-dim", type=int, default=128)
+    add_shape_arguments(parser)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--cold", type=int, default=3, help="backwards timed after the idle pause")
     parser.add_argument("--hot", type=int, default=60, help="backwards timed back to back")
@@ -103,19 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (and NVML: the nvidia-ml-py package)")
-    q, k, v = _qkv(args.batch, args.heads, args.seq, args.seq, args.head_dim, torch.bfloat16)
     backwards = {}
-    for name, attend in implementations(args.impls).items():
+    for name in args.impls:
         with headline_environment(name):
-            out = attend(q, k, v, True)
-            grad_out = torch.randn_like(out)
-            out.backward(grad_out, retain_graph=True)  # compiled and tuned here, outside the timing
-
-        def backward(out=out, grad_out=grad_out) -> None:
-            q.grad = k.grad = v.grad = None
-            out.backward(grad_out, retain_graph=True)
-
-        backwards[name] = backward
+            backwards[name] = causal_backward(name, args)
     rows = []
     with ClockSampler() as sampler:
         for round_ in range(args.rounds):

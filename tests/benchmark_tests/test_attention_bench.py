@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 
@@ -31,6 +32,32 @@ def test_without_a_gpu_the_ncu_backward_says_so(capsys):
     with pytest.raises(SystemExit) as exit_:
         attention_ncu.main(["--impl", "flash_triton"])
     assert exit_.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_profiled_backward_is_one_backward_not_an_accumulation(monkeypatch):
+    """The callable runs the backward again with the inputs' gradients dropped: each call's gradients are one
+    backward's, and nothing adds a previous call's to them (the profile would show the adds)."""
+    leaves = []
+
+    def attend(q, k, v, is_causal):
+        leaves[:] = [q, k, v]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    monkeypatch.setattr(attention_ncu, "implementations", lambda names: {names[0]: attend})
+    monkeypatch.setattr(attention_ncu, "_qkv", lambda *shape: _cpu_qkv(*shape))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    args = argparse.Namespace(batch=1, heads=2, seq=8, head_dim=4)
+    backward = attention_ncu.causal_backward("flash_triton", args)
+    once = [t.grad.clone() for t in leaves]
+    backward()
+    backward()
+    for grad, leaf in zip(once, leaves, strict=True):
+        torch.testing.assert_close(leaf.grad, grad)
+
+
+def _cpu_qkv(batch, heads, n_q, n_k, d, dtype):
+    make = lambda n: torch.randn(batch, heads, n, d, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    return make(n_q), make(n_k), make(n_k)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
