@@ -3,6 +3,7 @@ call. Runs anywhere: off Hopper (and on the CPU, through Triton's interpreter) t
 the TMA layout check, which costs a few Python operations a call, is asked only once the switch and the device allow.
 """
 
+import math
 import sys
 from collections.abc import Callable
 
@@ -143,3 +144,13 @@ def test_flash_triton_hands_its_forward_and_backward_to_the_hopper_kernels_where
     out.sum().backward()
     assert calls == [("forward", True), ("backward", True)]
     assert torch.all(out == 2.0) and all(torch.all(t.grad == 3.0) for t in (q, k, v))
+
+
+def test_the_row_statistics_are_the_logsumexp_in_log2_units_then_d_in_rows_tma_can_copy():
+    from lm_systems.attention.hopper.dispatch import row_statistics
+
+    lse, delta = torch.randn(2, 3, 5), torch.randn(2, 3, 5)
+    stats = row_statistics(lse, delta, heads=6, n_q=5, n_q_padded=8)
+    assert stats.shape == (6, 2, 8) and stats.stride(1) * stats.element_size() % 16 == 0
+    torch.testing.assert_close(stats[:, 0, :5], lse.reshape(6, 5) / math.log(2))
+    torch.testing.assert_close(stats[:, 1, :5], delta.reshape(6, 5))

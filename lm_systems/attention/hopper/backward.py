@@ -1,24 +1,24 @@
 """The Hopper (sm_90) backward of FlashAttention at head dim 128 in Gluon: FlashAttention-3's one pass, by rows.
 
 A program owns 128 keys of one (batch, head) in two consumer warpgroups of 64 (``gluon_common``) and walks the query
-tiles that see them, 64 query rows a tile the way FlashAttention-3 does: S = Q Kᵀ and dP = dO Vᵀ are (64 queries ×
-its 64 keys), so a thread holds two rows' logsumexp and D (read while the products run); P and dS go to shared
-memory, where the dV and dK products read them transposed (Pᵀ dO, dSᵀ Q: 64 × 128 × 64). Every product is at least
-64 wide. dQ is no program's own: dQᵀ = Kᵀ dSᵀ over the tile's 128 keys (each warpgroup half of its rows, which is why
-this layout is d 128's only) goes through one of two shared-memory buffers to a one-warp reduce partition, which adds
-it into an fp32 accumulator (B·H, d, N_q) by Hopper's asynchronous TMA reduction (``cp.reduce.async.bulk.tensor
+tiles that see them, 64 query rows a tile the way FlashAttention-3 does: S = Q Kᵀ and dP = dO Vᵀ are (64 queries × its
+64 keys), so a thread holds two rows' logsumexp and D (read from the ring slot while the products run); P and dS go to
+shared memory, where the dV and dK products read them transposed (Pᵀ dO, dSᵀ Q: 64 × 128 × 64). Every product is at
+least 64 wide. dQ is no program's own: dQᵀ = Kᵀ dSᵀ over the tile's 128 keys (each warpgroup half of its rows, which is
+why this layout is d 128's only) goes through one of two shared-memory buffers to a one-warp reduce partition, which
+adds it into an fp32 accumulator (B·H, d, N_q) by Hopper's asynchronous TMA reduction (``cp.reduce.async.bulk.tensor
 .add``: ``compat.gluon.tma_reduce_add``), waits until the TMA unit has read the buffer and hands it back (its
-``dq_empty`` mbarrier); a producer warp copies the Q and dO tiles into a ring. The accumulator is zeroed before and
-converted (scaled, transposed, cast: ``dq_conversion``) after.
+``dq_empty`` mbarrier); a producer warp copies each query tile's Q and dO and its rows' logsumexp (in log2 units) and D
+into a ring slot. The accumulator is zeroed before and converted (scaled, transposed, cast: ``dq_conversion``) after.
 
-Shared memory: K and V 64 KiB, two ring slots of Q and dO 64, P of each warpgroup 16, one dS tile 16, two dQᵀ
-buffers 64: 224 KiB of the 227. So dS has one buffer: a warpgroup writes its half of the next tile's dS once both
-have finished the dQᵀ product that read this one (``ds_empty``, two arrivals). Causal tiles are walked in two loops,
-the diagonal ones under the mask first; rows past N_q have P = 0 (their logsumexp read as +inf), keys past N_k are
-zeros (TMA fill).
+Shared memory: K and V 64 KiB, two ring slots of Q and dO 64 (and their rows' statistics 1), P of each warpgroup 16, one
+dS tile 16, two dQᵀ buffers 64: 225 KiB of the 227. So dS has one buffer: a warpgroup writes its half of the next tile's
+dS once both have finished the dQᵀ product that read this one (``ds_empty``, two arrivals). Causal tiles are walked in
+two loops, the diagonal ones under the mask first; rows past N_q and keys past N_k are zeros (TMA fill), which leaves
+those rows P = 1 but dS = 0 and their dO zero: they add nothing.
 
-Registers: Triton 3.6's code generation spills 800 bytes a thread and more here; Triton 3.9's under 100, and it is
-that code (its PTX, ``ptx``) that runs where the installed Triton is older (docs/attention.md).
+Registers: Triton 3.6's code generation spills 800 bytes a thread and more here; Triton 3.9's 12 bytes or fewer, and it
+is that code (its PTX, ``ptx``) that runs where the installed Triton is older (docs/attention.md).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from lm_systems.attention.hopper.gluon_common import (
     barriers,
     head_base,
     load_block_pair,
-    load_pairs,
     mma_layout,
     ring_barriers,
     rows_descriptor,
@@ -52,15 +51,17 @@ from lm_systems.attention.hopper.gluon_common import (
     store_tile,
 )
 from lm_systems.attention.hopper.partition_exit import exit_partitions_of
-from lm_systems.compat.gluon import cta_barrier, tma_reduce_add
+from lm_systems.compat.gluon import cta_barrier, tma_load, tma_reduce_add
 
 DQ_BUFFERS = gl.constexpr(2)  # dQᵀ tiles between the consumers and the reduce warp
+# A ring slot's row statistics (the logsumexp in log2 units, D): BLOCK_M fp32 each, copied by TMA, unswizzled
+STATS_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 
 
 @gluon.jit
 def _tiles_by_rows(
-    WARPGROUP: gl.constexpr, dk, dv, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, empty, ds_full,
-    ds_empty, dq_full, dq_empty, LSE, DELTA, first, lo, hi, key_start, n_q, shift, qk_scale,
+    WARPGROUP: gl.constexpr, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem, dq_smem,
+    ready, empty, ds_full, ds_empty, dq_full, dq_empty, first, lo, hi, key_start, shift, qk_scale,
     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup's walk of query tiles [lo, hi) of the ring (its tile 0 is query tile ``first``): dK and dV of its
@@ -84,9 +85,10 @@ def _tiles_by_rows(
         do_tile = do_ring.index(slot)
         s = warpgroup_mma(q_tile, own_k_t, zeros, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_tile, own_v_t, zeros, use_acc=False, is_async=True)
-        # The rows' logsumexp and D are read while the products run (rows past n_q: P = 0)
-        lse2 = gl.load(LSE + rows, mask=rows < n_q, other=float("inf")) * LOG2_E
-        delta = gl.load(DELTA + rows, mask=rows < n_q, other=0.0)
+        # The rows' logsumexp (in log2 units) and D, copied into the slot with Q and dO, read while the products run.
+        # Rows past n_q read zeros: their Q and dO rows are zeros too, so S = 0, P = 1, dP = 0 and dS = 0.
+        lse2 = lse_ring.index(slot).load(gl.SliceLayout(1, s_layout))
+        delta = delta_ring.index(slot).load(gl.SliceLayout(1, s_layout))
         s, dk, dv = warpgroup_mma_wait(1, deps=(s, dk, dv))
         # The previous tile's dV and dK are done: its Q and dO slot goes back (two arrivals), and P may be written.
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
@@ -123,9 +125,9 @@ def _tiles_by_rows(
 
 @gluon.jit
 def _consumer_by_rows(
-    WARPGROUP: gl.constexpr, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, empty, ds_full,
-    ds_empty, dq_full, dq_empty, done, LSE, DELTA, dk_desc, dv_desc, start_n, diag_start, unmasked_start, ceil_end,
-    n_q, shift, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    WARPGROUP: gl.constexpr, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem, dq_smem, ready,
+    empty, ds_full, ds_empty, dq_full, dq_empty, done, dk_desc, dv_desc, start_n, diag_start, unmasked_start,
+    ceil_end, shift, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """One consumer warpgroup: its keys' dK and dV, stored through its half of K and V's shared memory once both
     warpgroups are done reading K."""
@@ -139,13 +141,13 @@ def _consumer_by_rows(
     # Two loops, the first masked (causal: the diagonal tiles; not causal: the first half, under a mask that keeps
     # every key): walked in one loop, ptxas serialised the products (C7515).
     dk, dv = _tiles_by_rows(
-        WARPGROUP, dk, dv, k_smem, v_smem, q_ring, do_ring, own_p, ds_smem, dq_smem, ready, empty, ds_full, ds_empty,
-        dq_full, dq_empty, LSE, DELTA, diag_start, diag_start, unmasked_start, key_start, n_q, shift, qk_scale,
+        WARPGROUP, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, own_p, ds_smem, dq_smem, ready, empty,
+        ds_full, ds_empty, dq_full, dq_empty, diag_start, diag_start, unmasked_start, key_start, shift, qk_scale,
         BLOCK_M, HEAD_DIM, STAGES, True,
     )  # fmt: skip
     dk, dv = _tiles_by_rows(
-        WARPGROUP, dk, dv, k_smem, v_smem, q_ring, do_ring, own_p, ds_smem, dq_smem, ready, empty, ds_full, ds_empty,
-        dq_full, dq_empty, LSE, DELTA, diag_start, unmasked_start, ceil_end, key_start, n_q, shift, qk_scale,
+        WARPGROUP, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, own_p, ds_smem, dq_smem, ready, empty,
+        ds_full, ds_empty, dq_full, dq_empty, diag_start, unmasked_start, ceil_end, key_start, shift, qk_scale,
         BLOCK_M, HEAD_DIM, STAGES, False,
     )  # fmt: skip
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
@@ -153,6 +155,32 @@ def _consumer_by_rows(
     mbarrier.wait(done, 0)
     store_tile(dk * sm_scale, k_smem.slice(first_key, WARPGROUP_ROWS), dk_desc, start_n + first_key)
     store_tile(dv, v_smem.slice(first_key, WARPGROUP_ROWS), dv_desc, start_n + first_key)
+
+
+@gluon.jit
+def stats_descriptor(X, n_q, BLOCK_M: gl.constexpr):
+    """A TMA descriptor over one head's n_q row statistics (fp32), BLOCK_M a copy, zeros past n_q."""
+    return tma.make_tensor_descriptor(X, shape=[n_q], strides=[1], block_shape=[BLOCK_M], layout=STATS_LAYOUT)
+
+
+@gluon.jit
+def _load_tiles(
+    q_desc, do_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring, ready, empty, first, count,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """The producer partition: each query tile's Q, dO and row statistics into its ring slot, once both consumers
+    have released it."""
+    nbytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes
+    for i in range(count):
+        slot = i % STAGES
+        # A fresh barrier counts as released in the phase before its first: the first lap does not wait.
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), nbytes)
+        start = first + i * BLOCK_M
+        tma_load(q_desc, [start, 0], ready.index(slot), q_ring.index(slot))
+        tma_load(do_desc, [start, 0], ready.index(slot), do_ring.index(slot))
+        tma_load(lse_desc, [start], ready.index(slot), lse_ring.index(slot))
+        tma_load(delta_desc, [start], ready.index(slot), delta_ring.index(slot))
 
 
 @gluon.jit
@@ -166,12 +194,12 @@ def _reduce_dq(dq_desc, dq_smem, dq_full, dq_empty, first, count, BLOCK_M: gl.co
         mbarrier.arrive(dq_empty.index(buffer), count=1)
 
 
-@gluon.jit(do_not_specialize=["num_heads", "n_q", "n_k", "stride_dqn"])
+@gluon.jit(do_not_specialize=["num_heads", "n_q", "n_k", "stride_dqn", "stride_stats"])
 def gluon_backward_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+    Q, K, V, DO, STATS, DK, DV, DQ_ACC,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    stride_dqn, num_heads, n_q, n_k, sm_scale,
+    stride_dqn, stride_stats, num_heads, n_q, n_k, sm_scale,
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """One program (launched with num_warps=4): 128 keys of one (batch, head), grid (key tiles of 128, B·H), so that
@@ -198,13 +226,16 @@ def gluon_backward_kernel(
         block_shape=[HEAD_DIM, BLOCK_M],
         layout=dq_layout,
     )
-    LSE += bh.to(gl.int64) * n_q
-    DELTA += bh.to(gl.int64) * n_q
+    # STATS is (B·H, 2, N_q rounded up to 4): each head's logsumexp in log2 units, then its D
+    lse_desc = stats_descriptor(STATS + bh.to(gl.int64) * 2 * stride_stats, n_q, BLOCK_M)
+    delta_desc = stats_descriptor(STATS + (bh.to(gl.int64) * 2 + 1) * stride_stats, n_q, BLOCK_M)
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], STATS_LAYOUT)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], STATS_LAYOUT)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, WARPGROUP_ROWS], k_desc.dtype)
     p_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_M, WARPGROUP_ROWS], p_layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], k_desc.dtype)
@@ -234,15 +265,16 @@ def gluon_backward_kernel(
     count = (ceil_end - diag_start) // BLOCK_M
     gl.warp_specialize(
         [
-            (_consumer_by_rows, (FIRST_WARPGROUP, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready,
-                                 empty, ds_full, ds_empty, dq_full, dq_empty, done, LSE, DELTA, dk_desc, dv_desc,
-                                 start_n, diag_start, unmasked_start, ceil_end, n_q, shift, sm_scale, BLOCK_M,
+            (_consumer_by_rows, (FIRST_WARPGROUP, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem,
+                                 ds_smem, dq_smem, ready, empty, ds_full, ds_empty, dq_full, dq_empty, done, dk_desc,
+                                 dv_desc, start_n, diag_start, unmasked_start, ceil_end, shift, sm_scale, BLOCK_M,
                                  HEAD_DIM, STAGES)),
-            (_consumer_by_rows, (SECOND_WARPGROUP, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready,
-                                 empty, ds_full, ds_empty, dq_full, dq_empty, done, LSE, DELTA, dk_desc, dv_desc,
-                                 start_n, diag_start, unmasked_start, ceil_end, n_q, shift, sm_scale, BLOCK_M,
+            (_consumer_by_rows, (SECOND_WARPGROUP, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem,
+                                 ds_smem, dq_smem, ready, empty, ds_full, ds_empty, dq_full, dq_empty, done, dk_desc,
+                                 dv_desc, start_n, diag_start, unmasked_start, ceil_end, shift, sm_scale, BLOCK_M,
                                  HEAD_DIM, STAGES)),
-            (load_pairs, (q_desc, do_desc, q_ring, do_ring, ready, empty, diag_start, count, BLOCK_M, STAGES)),
+            (_load_tiles, (q_desc, do_desc, lse_desc, delta_desc, q_ring, do_ring, lse_ring, delta_ring, ready,
+                           empty, diag_start, count, BLOCK_M, STAGES)),
             (_reduce_dq, (dq_desc, dq_smem, dq_full, dq_empty, diag_start, count, BLOCK_M)),
         ],
         [4, 1, 1],

@@ -110,8 +110,9 @@ def hopper_backward(
     is_causal: bool,
 ) -> None:
     """Fill dq4, dk4, dv4 (B, H, N, d views) from (B, H, N, d) views of q, k, v, dO, with the logsumexp ``lse`` and
-    D = rowsum(dO ∘ O) ``delta``, both indexed (B·H, N_q): dK and dV stored by the kernel, dQ added (transposed,
-    unscaled) into a zeroed fp32 accumulator by its TMA reductions, then scaled, transposed and cast into dq4."""
+    D = rowsum(dO ∘ O) ``delta``, both indexed (B·H, N_q) (copied side by side: ``row_statistics``): dK and dV
+    stored by the kernel, dQ added (transposed, unscaled) into a zeroed fp32 accumulator by its TMA reductions, then
+    scaled, transposed and cast into dq4."""
     from lm_systems.attention.hopper.backward import gluon_backward_kernel
 
     views = (q4, k4, v4, do4, dk4, dv4)
@@ -123,13 +124,24 @@ def hopper_backward(
     n_k = k4.shape[2]
     sm_scale = 1.0 / math.sqrt(d)
     # (B·H, d, N_q) with rows a multiple of 4 floats apart: TMA needs 16-byte strides.
-    dq_acc = torch.zeros(batch * heads, d, triton.cdiv(n_q, 4) * 4, dtype=torch.float32, device=q4.device)
+    n_q_padded = triton.cdiv(n_q, 4) * 4
+    dq_acc = torch.zeros(batch * heads, d, n_q_padded, dtype=torch.float32, device=q4.device)
+    stats = row_statistics(lse, delta, batch * heads, n_q, n_q_padded)
     gluon_backward_kernel[(triton.cdiv(n_k, BACKWARD_KEYS), batch * heads)](
-        q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc,
-        *(s for t in views for s in _strides(t)), dq_acc.stride(1), heads, n_q, n_k, sm_scale,
+        q4, k4, v4, do4, stats, dk4, dv4, dq_acc,
+        *(s for t in views for s in _strides(t)), dq_acc.stride(1), stats.stride(1), heads, n_q, n_k, sm_scale,
         **backward_launch_options(q4.dtype, is_causal),
     )  # fmt: skip
     dq_from_accumulator(dq_acc, dq4, sm_scale)
+
+
+def row_statistics(lse: torch.Tensor, delta: torch.Tensor, heads: int, n_q: int, n_q_padded: int) -> torch.Tensor:
+    """(B·H, 2, n_q_padded) fp32: each head's logsumexp in log2 units, then its D, rows 16-byte aligned for the
+    backward's TMA copies (the padding is never read: the copies stop at n_q)."""
+    stats = torch.empty(heads, 2, n_q_padded, dtype=torch.float32, device=lse.device)
+    stats[:, 0, :n_q] = lse.reshape(heads, n_q) * math.log2(math.e)
+    stats[:, 1, :n_q] = delta.reshape(heads, n_q)
+    return stats
 
 
 def _empty_like_each(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

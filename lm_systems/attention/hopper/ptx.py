@@ -28,7 +28,8 @@ COMPILED = Path(__file__).with_name("compiled")
 MANIFEST = COMPILED / "manifest.json"
 OWN_CODE_FROM = (3, 9)  # the first Triton whose own code of the kernel is the shipped one's
 TARGET_PTX_VERSION = "8.7"  # the PTX ISA of CUDA 12.8's ptxas, which Triton 3.6 ships
-UNSPECIALISED = ("stride_dqn",)  # do_not_specialize in the kernel: the accumulator's row stride is N_q rounded to 4
+# do_not_specialize in the kernel: the rows of the dQ accumulator and of the row statistics are N_q rounded to 4 apart
+UNSPECIALISED = ("stride_dqn", "stride_stats")
 MULTIPLE = 16  # Triton's specialisation of the other strides (elements) and of the pointers (bytes)
 # The backward's tiles and warps, as launched (dispatch) and as its PTX is compiled
 BACKWARD_CONFIG = {"HEAD_DIM": 128, "BLOCK_M": 64, "STAGES": 2, "num_warps": 4}
@@ -79,7 +80,7 @@ def backward_ptx(dtype: str, is_causal: bool) -> str:
 
 
 def _argument_type(name: str, dtype: str) -> str:
-    if name in ("LSE", "DELTA", "DQ_ACC"):
+    if name in ("STATS", "DQ_ACC"):
         return "*fp32"
     if name in ("Q", "K", "V", "DO", "DK", "DV"):
         return f"*{dtype}"
