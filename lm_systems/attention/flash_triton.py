@@ -25,11 +25,16 @@ from lm_systems.attention.eager_launch import CachedLaunch
 from lm_systems.attention.flash_function import flash_attention_function
 from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kernel
 from lm_systems.attention.hopper.dispatch import (
+    HEAD_DIM as HOPPER_HEAD_DIM,
+)
+from lm_systems.attention.hopper.dispatch import (
+    HOPPER_MAJOR,
     descriptor_scratch,
     hopper_applies,
     hopper_backward_op,
     hopper_forward,
     hopper_forward_op,
+    hopper_setting,
 )
 from lm_systems.attention.inputs import check_attention_inputs
 from lm_systems.attention.registry import register_attention
@@ -364,27 +369,40 @@ class FlashAttention2Triton(
     ``FlashAttention2Triton.apply(q, k, v, is_causal)``; saves only L beside q, k, v, O."""
 
 
-# The longest sequence ``auto`` gives flash_triton: compiled through train.py, the step with flash_triton is faster
-# than sdpa's at contexts up to 2048 and slower at 8192, where sdpa's kernel leads
+# The longest sequence ``auto`` gives flash_triton on any GPU: compiled through train.py, the step with flash_triton
+# is faster than sdpa's at contexts up to 2048 and slower at 8192, where sdpa's kernel leads
 # (benchmarks/results/train_step.md, long_context.md).
 AUTO_MAX_SEQ_LEN = 2048
+# The shortest from which it gives flash_triton again where its Hopper kernels take the queries: from 16,384
+# positions their forward and backward are at cuDNN's speed or above, and so is the 8B step at 32,768
+# (benchmarks/results/attention_hopper_gluon_h200.md); between, sdpa stays: nothing there was measured.
+AUTO_HOPPER_MIN_SEQ_LEN = 16384
 
 
 def _faster_when_compiled(q: torch.Tensor) -> bool:
     """Where ``auto`` takes flash_triton inside torch.compile: fp16 / bf16 on CUDA, in the kernels' head dims, up to
-    ``AUTO_MAX_SEQ_LEN`` query positions."""
-    return (
-        q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM
-        and q.shape[-2] <= AUTO_MAX_SEQ_LEN
-    )
+    ``AUTO_MAX_SEQ_LEN`` query positions, or from ``AUTO_HOPPER_MIN_SEQ_LEN`` where the Hopper kernels take q."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM):
+        return False
+    n = q.shape[-2]
+    return n <= AUTO_MAX_SEQ_LEN or (n >= AUTO_HOPPER_MIN_SEQ_LEN and _hopper_takes(q))
+
+
+def _hopper_takes(q: torch.Tensor) -> bool:
+    """Whether the Hopper kernels take these fp16 / bf16 CUDA queries (``hopper_applies`` less the layout checks,
+    which the model's projections pass), asked while torch.compile traces the model: so only what Dynamo folds to a
+    constant (the device's properties, not the cached capability ``hopper_applies`` asks)."""
+    major = torch.cuda.get_device_properties(q.device).major
+    return q.shape[-1] == HOPPER_HEAD_DIM and major == HOPPER_MAJOR and hopper_setting() == "1"
 
 
 @register_attention(
     "flash_triton",
     when_compiled=_faster_when_compiled,
-    takes=f"fp16 / bf16 CUDA queries of at most {AUTO_MAX_SEQ_LEN} positions",
+    takes=(
+        f"fp16 / bf16 CUDA queries of at most {AUTO_MAX_SEQ_LEN} positions, or of {AUTO_HOPPER_MIN_SEQ_LEN} or more "
+        "where its Hopper kernels take them"
+    ),
     device_problem=_device_problem,
 )
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:

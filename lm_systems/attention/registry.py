@@ -11,9 +11,9 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.T
 _REGISTRY: dict[str, AttentionFn] = {}
 
 # ``auto``: sdpa, except inside torch.compile, where the first implementation registered with ``when_compiled``
-# that takes the query is chosen (flash_triton for fp16 / bf16 on CUDA, up to 2048 positions). Compiled,
-# Inductor launches flash_triton's kernels itself; eager, its Python autograd path costs more host time than
-# sdpa on a host-bound step (benchmarks/results/train_step.md, docs/attention.md).
+# that takes the query is chosen (flash_triton for fp16 / bf16 on CUDA up to 2048 positions, and from 16,384 where
+# its Hopper kernels run). Compiled, Inductor launches flash_triton's kernels itself; eager, its Python autograd path
+# costs more host time than sdpa on a host-bound step (benchmarks/results/train_step.md, docs/attention.md).
 _AUTO = "sdpa"
 
 

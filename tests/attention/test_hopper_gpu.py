@@ -23,7 +23,7 @@ if sys.platform != "linux":  # triton is a dependency on Linux only; there a bro
 from attention_reference import reference_attention, rel_error  # noqa: E402
 from test_flash_triton import BOUNDS, _grads, _inputs  # noqa: E402
 
-from lm_systems.attention import flash_triton  # noqa: E402
+from lm_systems.attention import flash_triton, resolve_attention_name  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton, _as_bhnd, flash_forward_triton  # noqa: E402
 from lm_systems.attention.hopper import dispatch  # noqa: E402
 from lm_systems.attention.hopper.dispatch import HOPPER_ENV, hopper_backward, hopper_forward  # noqa: E402
@@ -130,3 +130,17 @@ def test_the_hopper_kernels_run_inside_torch_compile(monkeypatch):
     for name, t, r in zip("qkv", (q, k, v), want, strict=True):
         assert rel_error(t.grad, r) < BOUNDS[torch.bfloat16]["grad"], name
     assert taken == ["hopper_forward", "hopper_backward"]
+
+
+@pytest.mark.parametrize("seq_len, chosen", [(16384, "flash_triton"), (8192, "sdpa")])
+def test_auto_takes_the_hopper_kernels_inside_a_full_graph_at_long_context(seq_len, chosen):
+    """What the model asks while torch.compile traces it: the choice folds to a constant, no graph break."""
+    q = torch.empty(1, 2, seq_len, 128, device="cuda", dtype=torch.bfloat16)
+    choices = []
+
+    def attend(q):
+        choices.append(resolve_attention_name("auto", q))
+        return q + 1
+
+    torch.compile(attend, fullgraph=True)(q)
+    assert choices == [chosen]

@@ -46,11 +46,17 @@ def test_auto_is_sdpa_in_eager_and_the_registered_choice_inside_torch_compile(mo
     assert resolve_attention_name("auto") == "sdpa"  # no query to judge
 
 
-def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_queries_up_to_2048_positions():
-    from lm_systems.attention.flash_triton import _faster_when_compiled  # triton is a dependency on Linux
+def test_auto_takes_flash_triton_inside_torch_compile_up_to_2048_positions_and_from_16384_on_hopper(monkeypatch):
+    from lm_systems.attention import flash_triton  # triton is a dependency on Linux
+    from lm_systems.attention.flash_triton import _faster_when_compiled
+    from lm_systems.attention.hopper.dispatch import HOPPER_ENV
 
-    def query(is_cuda=True, dtype=torch.bfloat16, head_dim=64, seq_len=512):
-        return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 25, seq_len, head_dim))
+    major = {"cuda:0": 9, "cuda:1": 8}  # an H200 and an A100
+    monkeypatch.setattr(flash_triton.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(major=major[d]))
+    monkeypatch.delenv(HOPPER_ENV, raising=False)
+
+    def query(is_cuda=True, dtype=torch.bfloat16, head_dim=64, seq_len=512, device="cuda:0"):
+        return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 25, seq_len, head_dim), device=device)
 
     assert ("flash_triton", _faster_when_compiled) in [choice[:2] for choice in registry._AUTO_WHEN_COMPILED]
     assert _faster_when_compiled(query()) and _faster_when_compiled(query(dtype=torch.float16))
@@ -58,10 +64,18 @@ def test_auto_takes_flash_triton_inside_torch_compile_for_half_precision_cuda_qu
     assert not _faster_when_compiled(query(is_cuda=False))
     assert not _faster_when_compiled(query(head_dim=256))
     assert _faster_when_compiled(query(seq_len=2048))  # measured faster than sdpa in the step at 512 and 2048
-    assert not _faster_when_compiled(query(seq_len=8192))  # and slower at 8192
+    assert not _faster_when_compiled(query(seq_len=8192))  # and slower at 8192 (the portable kernels)
+    # At head dim 128 on Hopper its Gluon kernels run: measured at cuDNN's speed from 16,384 positions
+    assert _faster_when_compiled(query(head_dim=128, seq_len=16384))
+    assert _faster_when_compiled(query(head_dim=128, seq_len=32768, dtype=torch.float16))
+    assert not _faster_when_compiled(query(head_dim=128, seq_len=8192))  # not measured between
+    assert not _faster_when_compiled(query(head_dim=64, seq_len=32768))  # the portable kernels there
+    assert not _faster_when_compiled(query(head_dim=128, seq_len=32768, device="cuda:1"))  # not Hopper
+    monkeypatch.setenv(HOPPER_ENV, "0")
+    assert not _faster_when_compiled(query(head_dim=128, seq_len=32768))  # the Hopper kernels switched off
     assert (
-        "inside torch.compile flash_triton for fp16 / bf16 CUDA queries of at most 2048 positions, else sdpa"
-        in describe_attention("auto", compiled=True)
+        "inside torch.compile flash_triton for fp16 / bf16 CUDA queries of at most 2048 positions, or of 16384 or more "
+        "where its Hopper kernels take them, else sdpa" in describe_attention("auto", compiled=True)
     )
     assert describe_attention("auto", compiled=False) == "sdpa" and describe_attention("naive", True) == "naive"
 

@@ -26,6 +26,7 @@ from lm_systems.attention.hopper.ptx import BACKWARD_CONFIG, MULTIPLE, backward_
 HOPPER_ENV = "LM_SYSTEMS_FLASH_HOPPER"
 HOPPER_SETTINGS = ("1", "0")
 HEAD_DIM = BACKWARD_CONFIG["HEAD_DIM"]  # the forward's too
+HOPPER_MAJOR = 9  # compute capability 9.x: wgmma and TMA
 DTYPES = (torch.float16, torch.bfloat16)
 FORWARD_ROWS = 128  # a forward program's query rows (two warpgroups of 64)
 FORWARD_KEYS = 128  # a forward ring slot's keys
@@ -54,7 +55,7 @@ def hopper_setting() -> str:
 
 @functools.cache
 def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
+    return torch.cuda.get_device_capability(device)[0] == HOPPER_MAJOR
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
