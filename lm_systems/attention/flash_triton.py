@@ -28,13 +28,13 @@ from lm_systems.attention.hopper.dispatch import (
     HEAD_DIM as HOPPER_HEAD_DIM,
 )
 from lm_systems.attention.hopper.dispatch import (
-    HOPPER_MAJOR,
     descriptor_scratch,
     hopper_applies,
     hopper_backward_op,
     hopper_forward,
     hopper_forward_op,
     hopper_setting,
+    is_hopper,
 )
 from lm_systems.attention.inputs import check_attention_inputs
 from lm_systems.attention.registry import register_attention
@@ -389,11 +389,9 @@ def _faster_when_compiled(q: torch.Tensor) -> bool:
 
 
 def _hopper_takes(q: torch.Tensor) -> bool:
-    """Whether the Hopper kernels take these fp16 / bf16 CUDA queries (``hopper_applies`` less the layout checks,
-    which the model's projections pass), asked while torch.compile traces the model: so only what Dynamo folds to a
-    constant (the device's properties, not the cached capability ``hopper_applies`` asks)."""
-    major = torch.cuda.get_device_properties(q.device).major
-    return q.shape[-1] == HOPPER_HEAD_DIM and major == HOPPER_MAJOR and hopper_setting() == "1"
+    """Whether the Hopper kernels take these fp16 / bf16 CUDA queries: ``hopper_applies`` less the layout checks,
+    which the model's projections pass."""
+    return q.shape[-1] == HOPPER_HEAD_DIM and hopper_setting() == "1" and is_hopper(q.device)
 
 
 @register_attention(

@@ -154,3 +154,16 @@ def test_the_row_statistics_are_the_logsumexp_in_log2_units_then_d_in_rows_tma_c
     assert stats.shape == (6, 2, 8) and stats.stride(1) * stats.element_size() % 16 == 0
     torch.testing.assert_close(stats[:, 0, :5], lse.reshape(6, 5) / math.log(2))
     torch.testing.assert_close(stats[:, 1, :5], delta.reshape(6, 5))
+
+
+def test_torch_compile_asks_whether_the_device_is_hopper_once_while_tracing_and_keeps_the_answer(monkeypatch):
+    """``auto`` asks it inside the model's compiled graph: a call Dynamo cannot trace would break the graph."""
+    from lm_systems.attention.hopper.dispatch import is_hopper
+
+    asked = []
+    monkeypatch.setattr(dispatch, "_is_sm90", lambda device: asked.append(device) or True)
+    torch.compiler.reset()
+    compiled = torch.compile(lambda x: x + 1 if is_hopper(x.device) else x - 1, fullgraph=True, backend="eager")
+    x = torch.zeros(3)
+    assert torch.equal(compiled(x), x + 1) and torch.equal(compiled(x), x + 1)
+    assert asked == [x.device]  # at trace time only: the graph keeps the answer

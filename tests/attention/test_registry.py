@@ -47,12 +47,11 @@ def test_auto_is_sdpa_in_eager_and_the_registered_choice_inside_torch_compile(mo
 
 
 def test_auto_takes_flash_triton_inside_torch_compile_up_to_2048_positions_and_from_16384_on_hopper(monkeypatch):
-    from lm_systems.attention import flash_triton  # triton is a dependency on Linux
-    from lm_systems.attention.flash_triton import _faster_when_compiled
+    from lm_systems.attention.flash_triton import _faster_when_compiled  # triton is a dependency on Linux
+    from lm_systems.attention.hopper import dispatch
     from lm_systems.attention.hopper.dispatch import HOPPER_ENV
 
-    major = {"cuda:0": 9, "cuda:1": 8}  # an H200 and an A100
-    monkeypatch.setattr(flash_triton.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(major=major[d]))
+    monkeypatch.setattr(dispatch, "_is_sm90", {"cuda:0": True, "cuda:1": False}.get)  # an H200 and an A100
     monkeypatch.delenv(HOPPER_ENV, raising=False)
 
     def query(is_cuda=True, dtype=torch.bfloat16, head_dim=64, seq_len=512, device="cuda:0"):

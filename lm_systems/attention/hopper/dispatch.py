@@ -26,7 +26,6 @@ from lm_systems.attention.hopper.ptx import BACKWARD_CONFIG, MULTIPLE, backward_
 HOPPER_ENV = "LM_SYSTEMS_FLASH_HOPPER"
 HOPPER_SETTINGS = ("1", "0")
 HEAD_DIM = BACKWARD_CONFIG["HEAD_DIM"]  # the forward's too
-HOPPER_MAJOR = 9  # compute capability 9.x: wgmma and TMA
 DTYPES = (torch.float16, torch.bfloat16)
 FORWARD_ROWS = 128  # a forward program's query rows (two warpgroups of 64)
 FORWARD_KEYS = 128  # a forward ring slot's keys
@@ -55,7 +54,14 @@ def hopper_setting() -> str:
 
 @functools.cache
 def _is_sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == HOPPER_MAJOR
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+@torch.compiler.assume_constant_result
+def is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU, asked while torch.compile traces a model: answered then, a constant in its
+    graph."""
+    return _is_sm90(device)
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
