@@ -21,7 +21,7 @@ OUT_NAME=gpu_leaderboard_out source .ci/gpu_stages.sh  # $OUT; the wheels the GP
 STAGES=("${@:-test}")
 record_versions
 
-TORCH_STACK="fsdp2+--model.fused_loss=false"  # torch's sharding and the plain loss; the same recompute and attention
+TORCH_STACK="fsdp2+--model.fused_loss=false"  # torch's sharding and the plain loss; the same recompute, SDPA
 BASELINE=$TORCH_STACK
 KEEP_ATTENTION="zero3+--model.activation_checkpointing=keep_attention"
 # configs/leaderboard_8b.yaml's recipe as timed on two GPUs (2026-11-28: keep_attention; the config's recompute is
