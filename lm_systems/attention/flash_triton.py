@@ -25,16 +25,11 @@ from lm_systems.attention.eager_launch import CachedLaunch
 from lm_systems.attention.flash_function import flash_attention_function
 from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kernel
 from lm_systems.attention.hopper.dispatch import (
-    HEAD_DIM as HOPPER_HEAD_DIM,
-)
-from lm_systems.attention.hopper.dispatch import (
     descriptor_scratch,
     hopper_applies,
     hopper_backward_op,
     hopper_forward,
     hopper_forward_op,
-    hopper_setting,
-    is_hopper,
 )
 from lm_systems.attention.inputs import check_attention_inputs
 from lm_systems.attention.registry import register_attention
@@ -389,9 +384,9 @@ def _faster_when_compiled(q: torch.Tensor) -> bool:
 
 
 def _hopper_takes(q: torch.Tensor) -> bool:
-    """Whether the Hopper kernels take these fp16 / bf16 CUDA queries: ``hopper_applies`` less the layout checks,
-    which the model's projections pass."""
-    return q.shape[-1] == HOPPER_HEAD_DIM and hopper_setting() == "1" and is_hopper(q.device)
+    """``hopper_applies`` to these (B, H, N, d) queries as torch.compile traces the model, less TMA's alignment,
+    which only real addresses settle (the call checks it, and runs the portable kernels where it fails)."""
+    return hopper_applies((q,), lambda: True)
 
 
 @register_attention(

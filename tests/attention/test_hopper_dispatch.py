@@ -157,13 +157,19 @@ def test_the_row_statistics_are_the_logsumexp_in_log2_units_then_d_in_rows_tma_c
 
 
 def test_torch_compile_asks_whether_the_device_is_hopper_once_while_tracing_and_keeps_the_answer(monkeypatch):
-    """``auto`` asks it inside the model's compiled graph: a call Dynamo cannot trace would break the graph."""
-    from lm_systems.attention.hopper.dispatch import is_hopper
+    """``auto`` asks ``hopper_applies`` inside the model's compiled graph: its device, switch and stride checks must
+    trace without breaking the graph (the GPU suite runs the whole of it there)."""
+    from lm_systems.attention.hopper.dispatch import hopper_setting, is_hopper, strides_fit
 
     asked = []
     monkeypatch.setattr(dispatch, "_is_sm90", lambda device: asked.append(device) or True)
+    monkeypatch.delenv(HOPPER_ENV, raising=False)
     torch.compiler.reset()
-    compiled = torch.compile(lambda x: x + 1 if is_hopper(x.device) else x - 1, fullgraph=True, backend="eager")
-    x = torch.zeros(3)
+
+    def attend(x):
+        return x + 1 if hopper_setting() == "1" and strides_fit((x,)) and is_hopper(x.device) else x - 1
+
+    compiled = torch.compile(attend, fullgraph=True, backend="eager")
+    x = torch.zeros(1, 2, 16, 16)
     assert torch.equal(compiled(x), x + 1) and torch.equal(compiled(x), x + 1)
     assert asked == [x.device]  # at trace time only: the graph keeps the answer

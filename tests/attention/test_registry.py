@@ -54,8 +54,10 @@ def test_auto_takes_flash_triton_inside_torch_compile_up_to_2048_positions_and_f
     monkeypatch.setattr(dispatch, "_is_sm90", {"cuda:0": True, "cuda:1": False}.get)  # an H200 and an A100
     monkeypatch.delenv(HOPPER_ENV, raising=False)
 
-    def query(is_cuda=True, dtype=torch.bfloat16, head_dim=64, seq_len=512, device="cuda:0"):
-        return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=(1, 25, seq_len, head_dim), device=device)
+    def query(is_cuda=True, dtype=torch.bfloat16, head_dim=64, seq_len=512, device="cuda:0", row_stride=None):
+        shape = (1, 25, seq_len, head_dim)
+        strides = (25 * seq_len * head_dim, seq_len * head_dim, row_stride or head_dim, 1)
+        return SimpleNamespace(is_cuda=is_cuda, dtype=dtype, shape=shape, device=device, stride=strides.__getitem__)
 
     assert ("flash_triton", _faster_when_compiled) in [choice[:2] for choice in registry._AUTO_WHEN_COMPILED]
     assert _faster_when_compiled(query()) and _faster_when_compiled(query(dtype=torch.float16))
@@ -70,6 +72,7 @@ def test_auto_takes_flash_triton_inside_torch_compile_up_to_2048_positions_and_f
     assert not _faster_when_compiled(query(head_dim=128, seq_len=8192))  # not measured between
     assert not _faster_when_compiled(query(head_dim=64, seq_len=32768))  # the portable kernels there
     assert not _faster_when_compiled(query(head_dim=128, seq_len=32768, device="cuda:1"))  # not Hopper
+    assert not _faster_when_compiled(query(head_dim=128, seq_len=32768, row_stride=136))  # not the shipped PTX's
     monkeypatch.setenv(HOPPER_ENV, "0")
     assert not _faster_when_compiled(query(head_dim=128, seq_len=32768))  # the Hopper kernels switched off
     assert (

@@ -39,7 +39,7 @@ def hopper_applies(views: tuple[torch.Tensor, ...], tma_layout_ok: Callable[[], 
     if hopper_setting() == "0":
         return False
     q = views[0]
-    supported = q.is_cuda and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and _is_sm90(q.device)
+    supported = q.is_cuda and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and is_hopper(q.device)
     return supported and strides_fit(views) and tma_layout_ok()
 
 
@@ -146,7 +146,7 @@ def row_statistics(lse: torch.Tensor, delta: torch.Tensor, heads: int, n_q: int,
     """(B·H, 2, n_q_padded) fp32: each head's logsumexp in log2 units, then its D, rows 16-byte aligned for the
     backward's TMA copies (the padding is never read: the copies stop at n_q)."""
     stats = torch.empty(heads, 2, n_q_padded, dtype=torch.float32, device=lse.device)
-    stats[:, 0, :n_q] = lse.reshape(heads, n_q) * math.log2(math.e)
+    torch.mul(lse.reshape(heads, n_q), math.log2(math.e), out=stats[:, 0, :n_q])
     stats[:, 1, :n_q] = delta.reshape(heads, n_q)
     return stats
 
