@@ -25,6 +25,8 @@ from lm_systems.attention.eager_launch import CachedLaunch
 from lm_systems.attention.flash_function import flash_attention_function
 from lm_systems.attention.flash_triton_backward import attn_bwd_preprocess_kernel
 from lm_systems.attention.hopper.dispatch import (
+    BACKWARD_HEAD_DIMS,
+    FORWARD_HEAD_DIMS,
     descriptor_scratch,
     hopper_applies,
     hopper_backward_op,
@@ -180,7 +182,8 @@ def _forward(
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # indexed as (B·H, N_q)
     out4 = _as_bhnd(out)
     eager = kernels is _EAGER_KERNELS  # real tensors; under torch.compile they are fakes
-    if hopper_applies((q4, k4, v4, out4), lambda: tma_loads((q4, k4, v4, out4), addresses_known=eager)):
+    views = (q4, k4, v4, out4)
+    if hopper_applies(views, lambda: tma_loads(views, addresses_known=eager), FORWARD_HEAD_DIMS):
         if not eager:  # the Gluon kernels on sm_90 (hopper.dispatch); compiled, through their op
             out4, lse4 = hopper_forward_op(q4, k4, v4, is_causal)
             return out4.view(q.shape), lse4.view(q.shape[:-1])
@@ -239,7 +242,7 @@ def _backward(
         HEAD_DIM_PAD=dims["HEAD_DIM_PAD"],
         BLOCK_M=PREPROCESS_BLOCK,
     )
-    if hopper_applies((q4, k4, v4, do4), lambda: tma):  # the Gluon kernels on sm_90 (hopper.dispatch), through its op
+    if hopper_applies((q4, k4, v4, do4), lambda: tma, BACKWARD_HEAD_DIMS):  # on sm_90 (hopper.dispatch), through its op
         grads = hopper_backward_op(q4, k4, v4, do4, lse, delta, is_causal)
         return tuple(g.view(t.shape) for g, t in zip(grads, (q, k, v), strict=True))
     if tma and eager and not interpreting():
@@ -369,8 +372,9 @@ class FlashAttention2Triton(
 # (benchmarks/results/train_step.md, long_context.md).
 AUTO_MAX_SEQ_LEN = 2048
 # The shortest from which it gives flash_triton again where its Hopper kernels take the queries: from 16,384
-# positions their forward and backward are at cuDNN's speed or above, and so is the 8B step at 32,768
-# (benchmarks/results/attention_hopper_gluon_h200.md); between, sdpa stays: nothing there was measured.
+# positions its forward and backward (at d 64 the portable forward, the Gluon backward) are at cuDNN's speed or
+# above, and so is the 8B step at 32,768 (benchmarks/results/attention_hopper_gluon_h200.md); between, sdpa stays:
+# nothing there was measured.
 AUTO_HOPPER_MIN_SEQ_LEN = 16384
 
 
@@ -384,9 +388,10 @@ def _faster_when_compiled(q: torch.Tensor) -> bool:
 
 
 def _hopper_takes(q: torch.Tensor) -> bool:
-    """``hopper_applies`` to these (B, H, N, d) queries as torch.compile traces the model, less TMA's alignment,
-    which only real addresses settle (the call checks it, and runs the portable kernels where it fails)."""
-    return hopper_applies((q,), lambda: True)
+    """``hopper_applies`` to these (B, H, N, d) queries as torch.compile traces the model, at the backward's head
+    dims (at 64 the portable forward beside it is as fast as cuDNN's), less TMA's alignment, which only real addresses
+    settle (the call checks it, and runs the portable kernels where it fails)."""
+    return hopper_applies((q,), lambda: True, BACKWARD_HEAD_DIMS)
 
 
 @register_attention(

@@ -5,8 +5,9 @@ chosen (every candidate compiled and timed) and stored in the tuning cache of th
 (``lm_systems.attention.tuning``). Later processes, eager or under torch.compile, launch the stored
 configs at once. A choice holds for a sequence-length bucket (the next power of two), a head dim, causality and
 a dtype; batch and heads are not in the key, so tune with the run's own (the fastest tiles depend on how many
-programs fill the GPU). Prints what each shape took: a shape already tuned takes seconds. On Hopper at head dim 128
-in half precision flash_triton runs its Gluon kernels (``hopper``), which have nothing to tune.
+programs fill the GPU). Prints what each shape took: a shape already tuned takes seconds. On Hopper in half precision
+flash_triton runs its Gluon kernels (``hopper``: the forward at head dim 128, the backward at 64 and 128), which have
+nothing to tune.
 
     python -m lm_systems.attention.tune --seq 16384 --head-dim 64 128 --heads 16   # the headline shapes
     python -m lm_systems.attention.tune --seq 8192 --head-dim 64 --heads 16 --batch 2  # medium at context 8192

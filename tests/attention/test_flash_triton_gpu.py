@@ -1,7 +1,7 @@
 """FlashAttention2Triton's portable kernels on a GPU: long sequences in fp32 / fp16 / bf16, the autotuned benchmark
 shapes, torch.compile, and a short training run that must track SDPA's loss curve. On a Hopper GPU, flash_triton
-takes its Gluon kernels at head dim 128 in half precision: they are switched off here, and tested in
-test_hopper_gpu.py."""
+takes its Gluon kernels in half precision (the forward at head dim 128, the backward at 64 and 128): they are switched
+off here, and tested in test_hopper_gpu.py."""
 
 import sys
 from dataclasses import replace

@@ -21,6 +21,8 @@ from lm_systems.attention import flash_triton  # noqa: E402
 from lm_systems.attention.flash_triton import FlashAttention2Triton  # noqa: E402
 from lm_systems.attention.hopper import dispatch  # noqa: E402
 from lm_systems.attention.hopper.dispatch import (  # noqa: E402
+    BACKWARD_HEAD_DIMS,
+    FORWARD_HEAD_DIMS,
     HOPPER_ENV,
     hopper_applies,
     hopper_backward_op,
@@ -41,22 +43,25 @@ def test_the_layout_is_asked_only_where_the_kernels_could_run(setting, monkeypat
         monkeypatch.setenv(HOPPER_ENV, setting)
     asked = []
     q = torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16)  # a CPU tensor: never sm_90
-    assert hopper_applies((q,), _layout_check_that_records(asked)) is False
+    assert hopper_applies((q,), _layout_check_that_records(asked), BACKWARD_HEAD_DIMS) is False
     assert asked == []
 
 
 @pytest.mark.parametrize(
-    "setting, dtype, head_dim, taken",
+    "setting, dtype, head_dim, head_dims, taken",
     [
-        (None, torch.bfloat16, 128, True),  # on by default
-        ("1", torch.float16, 128, True),
-        ("0", torch.bfloat16, 128, False),
-        (None, torch.bfloat16, 64, False),  # the portable kernels are as fast at d 64
-        (None, torch.float32, 128, False),
+        (None, torch.bfloat16, 128, FORWARD_HEAD_DIMS, True),  # on by default
+        (None, torch.bfloat16, 128, BACKWARD_HEAD_DIMS, True),
+        ("1", torch.float16, 128, FORWARD_HEAD_DIMS, True),
+        ("0", torch.bfloat16, 128, BACKWARD_HEAD_DIMS, False),
+        (None, torch.bfloat16, 64, FORWARD_HEAD_DIMS, False),  # the portable forward is as fast at d 64
+        (None, torch.bfloat16, 64, BACKWARD_HEAD_DIMS, True),
+        (None, torch.float16, 96, BACKWARD_HEAD_DIMS, False),
+        (None, torch.float32, 128, FORWARD_HEAD_DIMS, False),
     ],
 )
-def test_the_kernels_are_taken_on_sm90_at_head_dim_128_in_half_precision_unless_switched_off(
-    setting, dtype, head_dim, taken, monkeypatch
+def test_the_kernels_are_taken_on_sm90_at_their_head_dims_in_half_precision_unless_switched_off(
+    setting, dtype, head_dim, head_dims, taken, monkeypatch
 ):
     if setting is None:
         monkeypatch.delenv(HOPPER_ENV, raising=False)
@@ -66,14 +71,14 @@ def test_the_kernels_are_taken_on_sm90_at_head_dim_128_in_half_precision_unless_
     q = torch.zeros(1, 1, 4, head_dim, dtype=dtype, device="meta")
     monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
     asked = []
-    assert hopper_applies((q,), _layout_check_that_records(asked)) is taken
+    assert hopper_applies((q,), _layout_check_that_records(asked), head_dims) is taken
     assert asked == ([True] if taken else [])
 
 
 def test_another_value_of_the_switch_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv(HOPPER_ENV, "yes")
     with pytest.raises(ValueError, match=f"{HOPPER_ENV} must be 1 .* or 0"):
-        hopper_applies((torch.zeros(1, 1, 4, 128),), lambda: True)
+        hopper_applies((torch.zeros(1, 1, 4, 128),), lambda: True, FORWARD_HEAD_DIMS)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: the GPU tests cover sm_90")
@@ -96,9 +101,8 @@ def test_views_whose_strides_the_shipped_ptx_was_not_specialised_for_stay_on_the
     padded = torch.zeros(1, 2, 65, 136, dtype=torch.bfloat16, device="meta")[..., :128]
     assert strides_fit((whole, whole.transpose(1, 2))) and not strides_fit((whole, padded))
     asked = []
-    assert hopper_applies((whole, whole.transpose(1, 2)), _layout_check_that_records(asked)) is True
-    assert hopper_applies((padded, whole), _layout_check_that_records(asked)) is False
-    assert hopper_applies((whole, padded), _layout_check_that_records(asked)) is False
+    for views, taken in [((whole, whole.transpose(1, 2)), True), ((padded, whole), False), ((whole, padded), False)]:
+        assert hopper_applies(views, _layout_check_that_records(asked), BACKWARD_HEAD_DIMS) is taken
     assert asked == [True]
 
 
@@ -136,7 +140,7 @@ def test_flash_triton_hands_its_forward_and_backward_to_the_hopper_kernels_where
         calls.append(("backward", is_causal))
         return tuple(torch.full_like(t, 3.0) for t in (q, k, v))
 
-    monkeypatch.setattr(flash_triton, "hopper_applies", lambda views, tma_layout_ok: True)
+    monkeypatch.setattr(flash_triton, "hopper_applies", lambda views, tma_layout_ok, head_dims: True)
     monkeypatch.setattr(flash_triton, "hopper_forward", forward)
     monkeypatch.setattr(flash_triton, "hopper_backward_op", backward_op)
     q, k, v = (t.requires_grad_() for t in _inputs((1, 2), 40, 56, 16, torch.float32))

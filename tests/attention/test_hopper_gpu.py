@@ -1,15 +1,15 @@
-"""flash_triton's Hopper kernels (``hopper``: the Gluon forward and one-pass backward at head dim 128) against float64
-attention, on an sm_90 GPU only.
+"""flash_triton's Hopper kernels (``hopper``: the Gluon forward at head dim 128, the one-pass backward at 64 and 128)
+against float64 attention, on an sm_90 GPU only.
 
 Each case fills the outputs with NaN first, so a tile the kernels never write fails the bound. The kernels walk rings
-of two slots over up to 256 tiles a program: a wrong mbarrier phase reads a stale slot (wrong values) or waits
-forever (the CI stage's time limit); a slot handed back after one warpgroup's release instead of both is refilled
-under the other (wrong values). A wrong causal split (diagonal tiles walked without the mask, or skipped) fails the
-causal and rectangular cases. The backward adds dQ through TMA reductions from two shared-memory buffers: a buffer
-written again before its reduction has read it, a tile's reduction sent to the wrong query rows or columns past N_q,
-an accumulator not zeroed first, or a dS tile rewritten before the other warpgroup's dQᵀ product has read it, fails
-dQ. The forward's rows that see no key must come out O = 0, L = -inf. Under Triton < 3.9 the backward runs the
-shipped PTX (``hopper.ptx``), so these cases test that too.
+of two slots over up to 256 tiles a program: a wrong mbarrier phase reads a stale slot (wrong values) or waits forever
+(the CI stage's time limit); a slot handed back after one warpgroup's release instead of both is refilled under the
+other (wrong values). A wrong causal split (diagonal tiles walked without the mask, or skipped) fails the causal and
+rectangular cases. The backward adds dQ through TMA reductions from two shared-memory buffers: a buffer written again
+before its reduction has read it, a tile's reduction sent to the wrong query rows or columns past N_q, an accumulator
+not zeroed first, a dS tile rewritten before the other warpgroup's dQᵀ product has read it, or (d 64) a warpgroup's
+half of the queries' dQᵀ stored in the other's columns, fails dQ. The forward's rows that see no key must come out
+O = 0, L = -inf. Under Triton < 3.9 the backward runs the shipped PTX (``hopper.ptx``), so these cases test that too.
 """
 
 import sys
@@ -36,7 +36,7 @@ pytestmark = [
     ),
 ]
 
-# (leading dims, N_q, N_k, causal) at d 128: ragged lengths, N_q != N_k both ways (N_q > N_k: rows that see no key),
+# (leading dims, N_q, N_k, causal): ragged lengths, N_q != N_k both ways (N_q > N_k: rows that see no key),
 # B·H = 150 above an H100's / H200's 132 SMs, one tile, long rings.
 SHAPES = [
     ((2, 3), 1000, 1000, True),
@@ -51,11 +51,12 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lead,n_q,n_k,is_causal", SHAPES)
-def test_backward_matches_float64_reference(lead, n_q, n_k, is_causal, dtype):
+def test_backward_matches_float64_reference(lead, n_q, n_k, is_causal, dtype, head_dim):
     bound = BOUNDS[dtype]
-    q, k, v = _inputs(lead, n_q, n_k, 128, dtype)
+    q, k, v = _inputs(lead, n_q, n_k, head_dim, dtype)
     out, lse = flash_forward_triton(q, k, v, is_causal)
     grad_out = torch.randn_like(out)
     q4, k4, v4, o4, do4 = (_as_bhnd(t) for t in (q, k, v, out, grad_out))
@@ -91,10 +92,11 @@ def _recording(taken: list, kernels):
     return lambda *args: taken.append(kernels.__name__) or kernels(*args)
 
 
-@pytest.mark.parametrize("setting", [None, "0"])
-def test_flash_triton_takes_the_hopper_kernels_unless_switched_off(setting, monkeypatch):
+@pytest.mark.parametrize("setting, head_dim", [(None, 128), ("0", 128), (None, 64)])
+def test_flash_triton_takes_the_hopper_kernels_unless_switched_off(setting, head_dim, monkeypatch):
     """By default FlashAttention2Triton's eager forward and backward run the Gluon kernels at d 128 (still right, and
-    the forward's L is what the backward reads); with ``LM_SYSTEMS_FLASH_HOPPER=0`` the portable kernels."""
+    the forward's L is what the backward reads), at d 64 the backward only; with ``LM_SYSTEMS_FLASH_HOPPER=0`` the
+    portable kernels."""
     taken = []
     monkeypatch.setattr(flash_triton, "hopper_forward", _recording(taken, hopper_forward))
     monkeypatch.setattr(dispatch, "hopper_backward", _recording(taken, hopper_backward))
@@ -102,7 +104,7 @@ def test_flash_triton_takes_the_hopper_kernels_unless_switched_off(setting, monk
         monkeypatch.delenv(HOPPER_ENV, raising=False)
     else:
         monkeypatch.setenv(HOPPER_ENV, setting)
-    q, k, v = (t.requires_grad_() for t in _inputs((1, 4), 777, 1531, 128, torch.bfloat16))
+    q, k, v = (t.requires_grad_() for t in _inputs((1, 4), 777, 1531, head_dim, torch.bfloat16))
     out = FlashAttention2Triton.apply(q, k, v, True)
     assert rel_error(out, reference_attention(q, k, v, True)[0]) < BOUNDS[torch.bfloat16]["out"]
     grad_out = torch.randn_like(out)
@@ -110,7 +112,8 @@ def test_flash_triton_takes_the_hopper_kernels_unless_switched_off(setting, monk
     want = _grads(lambda *a: reference_attention(*a, True)[0], q, k, v, grad_out)
     for name, t, r in zip("qkv", (q, k, v), want, strict=True):
         assert rel_error(t.grad, r) < BOUNDS[torch.bfloat16]["grad"], name
-    assert taken == ([] if setting == "0" else ["hopper_forward", "hopper_backward"])
+    expected = {"0": [], None: ["hopper_forward", "hopper_backward"] if head_dim == 128 else ["hopper_backward"]}
+    assert taken == expected[setting]
 
 
 def test_the_hopper_kernels_run_inside_torch_compile(monkeypatch):
@@ -132,10 +135,12 @@ def test_the_hopper_kernels_run_inside_torch_compile(monkeypatch):
     assert taken == ["hopper_forward", "hopper_backward"]
 
 
-@pytest.mark.parametrize("seq_len, chosen", [(16384, "flash_triton"), (8192, "sdpa")])
-def test_auto_takes_the_hopper_kernels_inside_a_full_graph_at_long_context(seq_len, chosen):
+@pytest.mark.parametrize(
+    "seq_len, head_dim, chosen", [(16384, 128, "flash_triton"), (16384, 64, "flash_triton"), (8192, 128, "sdpa")]
+)
+def test_auto_takes_the_hopper_kernels_inside_a_full_graph_at_long_context(seq_len, head_dim, chosen):
     """What the model asks while torch.compile traces it: the choice folds to a constant, no graph break."""
-    q = torch.empty(1, 2, seq_len, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.empty(1, 2, seq_len, head_dim, device="cuda", dtype=torch.bfloat16)
     choices = []
 
     def attend(q):

@@ -1,24 +1,26 @@
-"""The Hopper (sm_90) backward of FlashAttention at head dim 128 in Gluon: FlashAttention-3's one pass, by rows.
+"""The Hopper (sm_90) backward of FlashAttention at head dims 64 and 128 in Gluon: FlashAttention-3's one pass, by rows.
 
 A program owns 128 keys of one (batch, head) in two consumer warpgroups of 64 (``gluon_common``) and walks the query
-tiles that see them, 64 query rows a tile the way FlashAttention-3 does: S = Q Kᵀ and dP = dO Vᵀ are (64 queries × its
-64 keys), so a thread holds two rows' logsumexp and D (read from the ring slot while the products run); P and dS go to
-shared memory, where the dV and dK products read them transposed (Pᵀ dO, dSᵀ Q: 64 × 128 × 64). Every product is at
-least 64 wide. dQ is no program's own: dQᵀ = Kᵀ dSᵀ over the tile's 128 keys (each warpgroup half of its rows, which is
-why this layout is d 128's only) goes through one of two shared-memory buffers to a one-warp reduce partition, which
-adds it into an fp32 accumulator (B·H, d, N_q) by Hopper's asynchronous TMA reduction (``cp.reduce.async.bulk.tensor
-.add``: ``compat.gluon.tma_reduce_add``), waits until the TMA unit has read the buffer and hands it back (its
-``dq_empty`` mbarrier); a producer warp copies each query tile's Q and dO and its rows' logsumexp (in log2 units) and D
-into a ring slot. The accumulator is zeroed before and converted (scaled, transposed, cast: ``dq_conversion``) after.
+tiles that see them, ``BLOCK_M`` query rows a tile (64 at d 128, 128 at d 64: ``ptx.BACKWARD_ROWS``): S = Q Kᵀ and
+dP = dO Vᵀ are (BLOCK_M queries × its 64 keys), so a thread holds its rows' logsumexp and D (read from the ring slot
+while the products run); P and dS go to shared memory, where the dV and dK products read them transposed (Pᵀ dO,
+dSᵀ Q: 64 × d × BLOCK_M). dQ is no program's own: dQᵀ = Kᵀ dSᵀ over the tile's 128 keys (each warpgroup half its rows
+at d 128; at d 64, where a wgmma's 64 rows are all of them, its columns of half the queries) goes through one of two
+shared-memory buffers to a one-warp reduce partition, which adds it into an fp32 accumulator (B·H, d, N_q) by
+Hopper's asynchronous TMA reduction (``cp.reduce.async.bulk.tensor.add``: ``compat.gluon.tma_reduce_add``), waits
+until the TMA unit has read the buffer and hands it back (its ``dq_empty`` mbarrier); a producer warp copies each
+query tile's Q and dO and its rows' logsumexp (in log2 units) and D into a ring slot. The accumulator is zeroed
+before and converted (scaled, transposed, cast: ``dq_conversion``) after.
 
-Shared memory: K and V 64 KiB, two ring slots of Q and dO 64 (and their rows' statistics 1), P of each warpgroup 16, one
-dS tile 16, two dQᵀ buffers 64: 225 KiB of the 227. So dS has one buffer: a warpgroup writes its half of the next tile's
+Shared memory at d 128: K and V 64 KiB, two ring slots of Q and dO 64 (and their rows' statistics 1), P of each
+warpgroup 16, one dS tile 16, two dQᵀ buffers 64: 225 KiB of the 227; at d 64 with 128 rows a tile: K and V 32, the
+ring 64 (and 2), P 32, dS 32, dQᵀ 64: 226 KiB. So dS has one buffer: a warpgroup writes its half of the next tile's
 dS once both have finished the dQᵀ product that read this one (``ds_empty``, two arrivals). Causal tiles are walked in
 two loops, the diagonal ones under the mask first; rows past N_q and keys past N_k are zeros (TMA fill), which leaves
 those rows P = 1 but dS = 0 and their dO zero: they add nothing.
 
-Registers: Triton 3.6's code generation spills 800 bytes a thread and more here; Triton 3.9's 12 bytes or fewer, and it
-is that code (its PTX, ``ptx``) that runs where the installed Triton is older (docs/attention.md).
+Registers: Triton 3.6's code generation spills 800 bytes a thread and more here; Triton 3.9's far less, and it is
+that code (its PTX, ``ptx``) that runs where the installed Triton is older (docs/attention.md).
 """
 
 from __future__ import annotations
@@ -67,15 +69,25 @@ def _tiles_by_rows(
     """One warpgroup's walk of query tiles [lo, hi) of the ring (its tile 0 is query tile ``first``): dK and dV of its
     64 keys, and its half of each tile's dQᵀ rows."""
     first_key: gl.constexpr = WARPGROUP * WARPGROUP_ROWS
-    half: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = mma_layout(gl.num_warps(), WARPGROUP_ROWS)
     dtype: gl.constexpr = k_smem.dtype
     own_k_t = k_smem.slice(first_key, WARPGROUP_ROWS).permute((1, 0))  # (d, its 64 keys)
     own_v_t = v_smem.slice(first_key, WARPGROUP_ROWS).permute((1, 0))
-    k_t_half = k_smem.slice(WARPGROUP * half, half, dim=1).permute((1, 0))  # (d/2, 128 keys)
-    own_ds = ds_smem.slice(first_key, WARPGROUP_ROWS, dim=1)  # (64 queries, its 64 keys)
+    own_ds = ds_smem.slice(first_key, WARPGROUP_ROWS, dim=1)  # (the tile's queries, its 64 keys)
+    # Its part of dQᵀ = Kᵀ dSᵀ over the 128 keys: at d 128 half the rows (head dimensions) of every query, at d 64
+    # (a wgmma is 64 rows at least) every row of half the queries
+    if HEAD_DIM == 2 * WARPGROUP_ROWS:
+        dq_rows: gl.constexpr = HEAD_DIM // 2
+        dq_cols: gl.constexpr = BLOCK_M
+        k_t_part = k_smem.slice(WARPGROUP * dq_rows, dq_rows, dim=1).permute((1, 0))  # (d/2, 128 keys)
+        ds_t_part = ds_smem.permute((1, 0))  # (128 keys, the tile's queries)
+    else:
+        dq_rows: gl.constexpr = HEAD_DIM
+        dq_cols: gl.constexpr = BLOCK_M // 2
+        k_t_part = k_smem.permute((1, 0))  # (d, 128 keys)
+        ds_t_part = ds_smem.slice(WARPGROUP * dq_cols, dq_cols).permute((1, 0))  # (128 keys, half the queries)
     zeros = gl.zeros([BLOCK_M, WARPGROUP_ROWS], gl.float32, s_layout)
-    dq_zeros = gl.zeros([half, BLOCK_M], gl.float32, mma_layout(gl.num_warps(), BLOCK_M))
+    dq_zeros = gl.zeros([dq_rows, dq_cols], gl.float32, mma_layout(gl.num_warps(), dq_cols))
     for start_m in range(lo, hi, BLOCK_M):
         i = (start_m - first) // BLOCK_M
         slot = i % STAGES
@@ -110,13 +122,16 @@ def _tiles_by_rows(
         mbarrier.arrive(ds_full, count=1)
         mbarrier.wait(ds_full, i & 1)
         # -- half of dQᵀ = Kᵀ dSᵀ over the program's 128 keys, to the reduce warp while dK += dSᵀ Q is in flight
-        dq_t = warpgroup_mma(k_t_half, ds_smem.permute((1, 0)), dq_zeros, use_acc=False, is_async=True)
+        dq_t = warpgroup_mma(k_t_part, ds_t_part, dq_zeros, use_acc=False, is_async=True)
         dk = warpgroup_mma(own_ds.permute((1, 0)), q_tile, dk, is_async=True)
         dq_t = warpgroup_mma_wait(1, deps=(dq_t,))
         mbarrier.arrive(ds_empty, count=1)
         buffer = i % DQ_BUFFERS
         mbarrier.wait(dq_empty.index(buffer), ((i // DQ_BUFFERS) & 1) ^ 1)
-        dq_smem.index(buffer).slice(WARPGROUP * half, half).store(dq_t)
+        if HEAD_DIM == 2 * WARPGROUP_ROWS:
+            dq_smem.index(buffer).slice(WARPGROUP * dq_rows, dq_rows).store(dq_t)
+        else:
+            dq_smem.index(buffer).slice(WARPGROUP * dq_cols, dq_cols, dim=1).store(dq_t)
         fence_async_shared()
         cta_barrier()
         mbarrier.arrive(dq_full.index(buffer), count=1)
@@ -203,7 +218,7 @@ def gluon_backward_kernel(
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """One program (launched with num_warps=4): 128 keys of one (batch, head), grid (key tiles of 128, B·H), so that
-    a head's programs run side by side and share its Q and dO in L2; ``BLOCK_M`` 64. DQ_ACC is the zeroed
+    a head's programs run side by side and share its Q and dO in L2; ``BLOCK_M`` 64 or 128. DQ_ACC is the zeroed
     (B·H, HEAD_DIM, N_q rounded up to 4) fp32 accumulator, its rows ``stride_dqn`` apart."""
     BLOCK_N: gl.constexpr = 2 * WARPGROUP_ROWS
     bh = gl.program_id(1)

@@ -1,10 +1,10 @@
 """When flash_triton takes the Hopper kernels, their launchers, and their ops for compiled graphs.
 
 flash_triton's forward and backward run the Gluon kernels (``forward``, ``backward``) for a call on a CUDA device of
-compute capability 9.x (wgmma and TMA; Blackwell has no wgmma), in fp16 or bf16, at head dim 128, with q, k, v (and
-dO) in the layout TMA descriptors need (``flash_triton.tma_loads``); anywhere else, or with
-``LM_SYSTEMS_FLASH_HOPPER=0``, the portable kernels run. At head dim 64 the portable kernels are as fast
-(docs/attention.md). Eager calls launch the kernels directly; compiled graphs call them through their ops
+compute capability 9.x (wgmma and TMA; Blackwell has no wgmma), in fp16 or bf16, with q, k, v (and dO) in the layout
+TMA descriptors need (``flash_triton.tma_loads``), the forward at head dim 128 (at 64 the portable forward is as fast:
+docs/attention.md), the backward at 64 and 128; anywhere else, or with ``LM_SYSTEMS_FLASH_HOPPER=0``, the portable
+kernels run. Eager calls launch the kernels directly; compiled graphs call them through their ops
 (Inductor launches plain Triton kernels only, not Gluon's).
 
 Gluon is imported on the first Hopper call: CPU runs (the interpreter tests, CI) never import it.
@@ -21,11 +21,12 @@ import torch
 import triton
 
 from lm_systems.attention.hopper.dq_conversion import dq_from_accumulator
-from lm_systems.attention.hopper.ptx import BACKWARD_CONFIG, MULTIPLE, backward_launch_options
+from lm_systems.attention.hopper.ptx import HEAD_DIMS, MULTIPLE, backward_launch_options
 
 HOPPER_ENV = "LM_SYSTEMS_FLASH_HOPPER"
 HOPPER_SETTINGS = ("1", "0")
-HEAD_DIM = BACKWARD_CONFIG["HEAD_DIM"]  # the forward's too
+FORWARD_HEAD_DIMS = (128,)
+BACKWARD_HEAD_DIMS = HEAD_DIMS
 DTYPES = (torch.float16, torch.bfloat16)
 FORWARD_ROWS = 128  # a forward program's query rows (two warpgroups of 64)
 FORWARD_KEYS = 128  # a forward ring slot's keys
@@ -33,13 +34,16 @@ FORWARD_STAGES = 2  # ring slots
 BACKWARD_KEYS = 128  # a backward program's keys (two warpgroups of 64)
 
 
-def hopper_applies(views: tuple[torch.Tensor, ...], tma_layout_ok: Callable[[], bool]) -> bool:
-    """Whether the Gluon kernels take a call on these (B, H, N, d) views, q's first: see the module's docstring, and
-    strides the backward's shipped PTX is specialised on (``strides_fit``). ``tma_layout_ok`` is asked last."""
+def hopper_applies(
+    views: tuple[torch.Tensor, ...], tma_layout_ok: Callable[[], bool], head_dims: tuple[int, ...]
+) -> bool:
+    """Whether the Gluon kernel of these ``head_dims`` (``FORWARD_HEAD_DIMS``, ``BACKWARD_HEAD_DIMS``) takes a call
+    on these (B, H, N, d) views, q's first: see the module's docstring, and strides the backward's shipped PTX is
+    specialised on (``strides_fit``). ``tma_layout_ok`` is asked last."""
     if hopper_setting() == "0":
         return False
     q = views[0]
-    supported = q.is_cuda and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and is_hopper(q.device)
+    supported = q.is_cuda and q.dtype in DTYPES and q.shape[-1] in head_dims and is_hopper(q.device)
     return supported and strides_fit(views) and tma_layout_ok()
 
 
@@ -70,7 +74,7 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
 
 def strides_fit(views: tuple[torch.Tensor, ...]) -> bool:
     """Whether every (B, H, N) stride of these views is what the backward's shipped PTX is specialised on: a
-    multiple of ``ptx.MULTIPLE`` elements (true of any layout with a contiguous head dimension of 128; TMA alone
+    multiple of ``ptx.MULTIPLE`` elements (true of any layout with a contiguous head dimension of 64 or 128; TMA alone
     needs 8)."""
     return not any(s % MULTIPLE for t in views for s in _strides(t))
 
@@ -137,7 +141,7 @@ def hopper_backward(
     gluon_backward_kernel[(triton.cdiv(n_k, BACKWARD_KEYS), batch * heads)](
         q4, k4, v4, do4, stats, dk4, dv4, dq_acc,
         *(s for t in views for s in _strides(t)), dq_acc.stride(1), stats.stride(1), heads, n_q, n_k, sm_scale,
-        **backward_launch_options(q4.dtype, is_causal),
+        **backward_launch_options(q4.dtype, is_causal, d),
     )  # fmt: skip
     dq_from_accumulator(dq_acc, dq4, sm_scale)
 
