@@ -12,10 +12,11 @@
 #   long      medium at context 8192 through train.py, flash_triton against sdpa (benchmarks.scaling)
 #   hopper    on sm_90: the Gluon kernels flash_triton takes at d 128 (lm_systems/attention/hopper) against float64
 #             (tests/attention/test_hopper_gpu.py, with Triton < 3.9 through the shipped PTX), then the headline
-#             benchmark (its d 128 rows are theirs; flash_triton_portable the portable kernels beside them). Not in
+#             benchmark (its d 128 rows and d 64 backward are theirs; flash_triton_portable the portable kernels). Not in
 #             the default list; about 4 minutes.
 #   ncu       Nsight Compute (hardware counters: the Firecracker runtime only) on one backward at the 8B model's
-#             B1 H32 N32768 d 128 of each of $NCU_IMPLS (flash_triton sdpa_cudnn without it; benchmarks.attention_ncu):
+#             B1 H32 N32768 d 128 (or $NCU_ARGS: benchmarks.attention_ncu's shape flags) of each of $NCU_IMPLS
+#             (flash_triton sdpa_cudnn without it; benchmarks.attention_ncu):
 #             speed of light, occupancy, waves, warp stalls, L2; ncu's CSV in each log. Not in the default list.
 #   ncu_stalls  the same, every raw counter of the warp-state and instruction sections: each stall reason's cycles
 #             per issued instruction and the instruction mix. Not in the default list.
@@ -76,14 +77,14 @@ for stage in "${STAGES[@]}"; do
             run "ncu_$impl" 200 ncu --clock-control none --profile-from-start off --csv --page details \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                 --section SchedulerStats --section MemoryWorkloadAnalysis \
-                python -m benchmarks.attention_ncu --impl "$impl"
+                python -m benchmarks.attention_ncu --impl "$impl" ${NCU_ARGS:-}
         done
         ;;
     ncu_stalls)
         for impl in ${NCU_IMPLS:-flash_triton sdpa_cudnn}; do
             run "ncu_stalls_$impl" 200 ncu --clock-control none --profile-from-start off --csv --page raw \
                 --section WarpStateStats --section InstructionStats \
-                python -m benchmarks.attention_ncu --impl "$impl"
+                python -m benchmarks.attention_ncu --impl "$impl" ${NCU_ARGS:-}
         done
         ;;
     clocks)

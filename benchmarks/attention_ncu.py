@@ -1,10 +1,11 @@
 """One causal bf16 backward for Nsight Compute: ``python -m benchmarks.attention_ncu --impl NAME``.
 
-``NAME`` is one of the headline's implementations (``benchmarks.attention``): ``flash_triton`` (on Hopper at d 128
-its Gluon kernels), ``flash_triton_portable`` (the portable kernels, tuned first) or ``sdpa_cudnn``. Inputs, the
+``NAME`` is one of the headline's implementations (``benchmarks.attention``): ``flash_triton`` (on Hopper its Gluon
+backward), ``flash_triton_portable`` (the portable kernels, tuned first) or ``sdpa_cudnn``. Inputs, the
 forward and a first backward (compiling, tuning) run outside ``cudaProfilerStart``/``Stop``, so ``ncu
 --profile-from-start off`` sees only the profiled backwards' kernels. ``.ci/gpu_attention.sh ncu`` runs it under
-ncu for each implementation at the 8B model's attention shape.
+ncu for each implementation at the 8B model's attention shape (or with ``$NCU_ARGS``: ``--head-dim 64 --heads 16
+--seq 16384``, the d 64 headline's).
 """
 
 from __future__ import annotations
