@@ -2,9 +2,9 @@
 
 - ``headline``: B1 H16 N16384 bf16, d 64 and 128, and the 8B model's B1 H32 N32768 d 128:
   ``torch.compile(FlashAttention2Triton.apply)``, flash_triton eager and flash_triton's portable kernels alone
-  (eager, ``LM_SYSTEMS_FLASH_HOPPER=0``: on Hopper at d 128 flash_triton runs its Gluon kernels) beside SDPA's flash
-  and cuDNN backends, over interleaved rounds, as ratios; and naive attention at the first shape (and at batch 2,
-  fp32, beside flash_triton in fp32) where it runs out of memory.
+  (eager, ``LM_SYSTEMS_FLASH_HOPPER=0``: on Hopper flash_triton runs its Gluon backward, and at d 128 forward) beside
+  SDPA's flash and cuDNN backends, over interleaved rounds, as ratios; and naive attention at the first shape (and at
+  batch 2, fp32, beside flash_triton in fp32) where it runs out of memory.
 - ``flash``: batch 1, one head, N 128…65536, d 16…128, bf16 and fp32: every implementation's forward,
   backward and forward+backward ms and TFLOP/s, square and rectangular (N_q = N_k / 4).
 
@@ -168,7 +168,7 @@ def headline(args: argparse.Namespace) -> None:
         notes=f"Median over {args.rounds} interleaved rounds of the median of triton.testing.do_bench "
         f"(rep {args.rep_ms} ms). flash_triton_compiled is torch.compile(FlashAttention2Triton.apply), "
         "flash_triton the same Function called eagerly, flash_triton_portable eagerly with LM_SYSTEMS_FLASH_HOPPER=0 "
-        "(its portable kernels; on Hopper at d 128 flash_triton runs its Gluon kernels). "
+        "(its portable kernels; on Hopper flash_triton runs its Gluon backward, and at d 128 its Gluon forward). "
         "Ratios are speed-ups: baseline time / this time "
         "(above 1 means faster than the baseline). naive rows: the model's PyTorch attention at the same shape "
         "(and at batch 2, beside flash_triton in fp32), to show where it runs out of memory. "
