@@ -58,27 +58,6 @@ def rows_descriptor(X, n_rows, stride_n, HEAD_DIM: gl.constexpr, BLOCK: gl.const
 
 
 @gluon.jit
-def _issue_pair(a_desc, b_desc, a_ring, b_ring, ready, i, first, count, BLOCK: gl.constexpr, STAGES: gl.constexpr):
-    """Start the TMA copies of the ring's tile ``i`` (rows first + i · BLOCK of both tensors) into its slot, if
-    ``i < count``; ``ready`` of the slot completes when both have landed."""
-    slot = i % STAGES
-    exists = i < count
-    mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=exists)
-    start = first + i * BLOCK
-    tma_load(a_desc, [start, 0], ready.index(slot), a_ring.index(slot), pred=exists)
-    tma_load(b_desc, [start, 0], ready.index(slot), b_ring.index(slot), pred=exists)
-
-
-@gluon.jit
-def load_pairs(a_desc, b_desc, a_ring, b_ring, ready, empty, first, count, BLOCK: gl.constexpr, STAGES: gl.constexpr):
-    """The producer partition: the ring's ``count`` tiles in order, each once the consumer has released its slot."""
-    for i in range(count):
-        # A fresh barrier counts as released in the phase before its first: the first lap does not wait.
-        mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-        _issue_pair(a_desc, b_desc, a_ring, b_ring, ready, i, first, count, BLOCK, STAGES)
-
-
-@gluon.jit
 def load_block_pair(a_desc, b_desc, start, a_smem, b_smem):
     """The two tiles a program holds throughout, copied once, waited for here."""
     bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
